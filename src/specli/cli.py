@@ -1,0 +1,174 @@
+"""The `specli` command line: parses options and wires the pieces together.
+
+Exit codes: 0 success, 1 runtime failure, 2 bad usage or input, 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Optional
+
+import click
+import typer
+
+from . import __version__
+from .errors import EXIT_RUNTIME, EXIT_USAGE, SpecliError, UsageError
+from .loading import ModelChoice, load, plan
+
+EXIT_INTERRUPTED = 130
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Speculative decoding for local GGUF models: same output as the target model, sooner.",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"specli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version and exit."),
+) -> None:
+    """Speculative decoding for local GGUF models."""
+
+
+def _read_prompt(prompt: Optional[str]) -> str:
+    """The prompt argument, or stdin for '-' (or when omitted and stdin is piped)."""
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise UsageError("no prompt given; pass one (specli run \"...\") or pipe it (echo ... | specli run -)")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise UsageError("the prompt is empty; give some text for the model to continue")
+    return prompt
+
+
+@app.command()
+def run(
+    prompt: Optional[str] = typer.Argument(None, help="Text to continue. '-' (or nothing, with piped input) reads stdin."),
+    model: Optional[str] = typer.Option(None, "-m", "--model", help="Target model: a GGUF path or a models.toml name. Default: the embedded Gemma 3 270M."),
+    draft: Optional[str] = typer.Option(None, "-d", "--draft", help="Draft model: a GGUF path or a models.toml name (same tokenizer as the target)."),
+    lookup: bool = typer.Option(False, "--lookup", help="Draft by prompt lookup (copying from the prompt and output so far); no draft model."),
+    target_only: bool = typer.Option(False, "--target-only", help="Plain decoding with the target alone: the baseline."),
+    n_draft: Optional[int] = typer.Option(None, "-n", "--num-speculative-tokens", help="Draft tokens per step (default 5, or the models.toml suggestion)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Stop after this many generated tokens."),
+    ctx: int = typer.Option(4096, "-c", "--ctx", help="Context size in tokens (prompt + output)."),
+    ngl: int = typer.Option(-1, "--ngl", help="Target layers to offload to the GPU (-1 = all)."),
+    draft_ngl: int = typer.Option(-1, "--draft-ngl", help="Draft model layers to offload to the GPU (-1 = all)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming text."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr except errors."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log and tracebacks."),
+    show_accept: bool = typer.Option(False, "--show-accept", help="On a terminal, colour text that came from accepted drafts."),
+) -> int:
+    """Generate a continuation of PROMPT, streamed to stdout, with live stats on stderr."""
+    from .llama import init_backend
+    from .ui import LiveStatus, TextOutput, low_acceptance_warning, status_text, stderr_console, summary_line
+
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+    text = _read_prompt(prompt)
+    choice = ModelChoice(model, draft, lookup, target_only, n_draft, ctx, ngl, draft_ngl, threads)
+    init_backend(verbose=verbose)
+    the_plan = plan(choice)
+
+    err = stderr_console()
+    if quiet or not sys.stderr.isatty():
+        loaded = load(the_plan, choice)
+    else:
+        with err.status(f"loading {the_plan.target_path.name}" + (f" and {the_plan.draft_path.name}" if the_plan.draft_path else "")):
+            loaded = load(the_plan, choice)
+    try:
+        model_tgt = loaded.model_tgt
+        prompt_ids = model_tgt.tokenize(text, add_bos=model_tgt.vocab_info().add_bos)
+        gen = loaded.decoder.generate(prompt_ids, max_tokens=max_tokens)
+        with_drafting = the_plan.mode != "target-only"
+        live = LiveStatus(sys.stderr, sys.stdout, enabled=not quiet and not verbose)
+        out = TextOutput(sys.stdout, show_accept=show_accept)
+        printed = 0
+        exit_code = 0
+        try:
+            for step in gen:
+                live.clear()
+                if not json_out:
+                    out.write(step)
+                    printed += len(step.text)
+                live.show(status_text(gen.stats, with_drafting=with_drafting))
+        except KeyboardInterrupt:
+            gen.interrupt()
+            exit_code = EXIT_INTERRUPTED
+        live.clear()
+        if not json_out:
+            out.write_text(gen.text[printed:])  # text held back for an incomplete character
+            if gen.text and not gen.text.endswith("\n") and sys.stdout.isatty():
+                out.write_text("\n")
+        else:
+            print(json.dumps(_result_json(gen, the_plan), ensure_ascii=False))
+            sys.stdout.flush()
+        if not quiet:
+            print(summary_line(gen.stats, stop_reason=gen.stop_reason, with_drafting=with_drafting), file=sys.stderr)
+            warning = low_acceptance_warning(gen.stats) if with_drafting else None
+            if warning:
+                print(warning, file=sys.stderr)
+        return exit_code
+    finally:
+        loaded.close()
+
+
+def _result_json(gen, the_plan) -> dict:
+    return {
+        "text": gen.text,
+        "token_ids": gen.token_ids,
+        "n_tokens": len(gen.token_ids),
+        "stop_reason": gen.stop_reason,
+        "target": str(the_plan.target_path),
+        "draft": the_plan.draft_label,
+        "n_draft": the_plan.n_draft if the_plan.mode != "target-only" else 0,
+        "stats": gen.stats.to_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: runs the app, turns every failure into one line on stderr and an exit code."""
+    verbose = "--verbose" in (argv or sys.argv) or "-v" in (argv or sys.argv)
+    try:
+        code = app(args=argv, standalone_mode=False, prog_name="specli")
+        code = code if isinstance(code, int) else 0
+    except SpecliError as err:
+        if verbose:
+            traceback.print_exc()
+        print(f"specli: error: {err}", file=sys.stderr)
+        code = err.exit_code
+    except click.UsageError as err:
+        hint = f" (see 'specli {err.ctx.info_name} --help')" if err.ctx is not None and err.ctx.parent is not None else " (see 'specli --help')"
+        print(f"specli: error: {err.format_message()}{hint}", file=sys.stderr)
+        code = EXIT_USAGE
+    except click.ClickException as err:
+        print(f"specli: error: {err.format_message()}", file=sys.stderr)
+        code = err.exit_code
+    except (KeyboardInterrupt, click.Abort):
+        print("specli: interrupted", file=sys.stderr)
+        code = EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): stop quietly, like other Unix tools.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        code = EXIT_RUNTIME
+    except Exception as err:  # a bug or an unexpected failure: still one line unless --verbose
+        if verbose:
+            traceback.print_exc()
+        print(f"specli: error: {type(err).__name__}: {err} (run with --verbose for details)", file=sys.stderr)
+        code = EXIT_RUNTIME
+    sys.exit(code)

@@ -1,0 +1,134 @@
+"""Drafters: cheap proposers of the tokens the target is likely to produce next.
+
+Every drafter follows one small protocol (after HF transformers' candidate generators):
+- begin(prompt): called once before generation, e.g. to put the prompt into a draft model's cache;
+- propose(context, n_max): up to n_max tokens that might follow `context` (prompt + output so far);
+- update(n_drafted, n_accepted): how the target judged the latest proposal.
+
+Drafters never see logits of the target and cannot change the output: only its speed.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .llama import LlamaModel
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, prompt: Sequence[int]) -> None: ...
+
+    def propose(self, context: Sequence[int], n_max: int) -> list[int]: ...
+
+    def update(self, n_drafted: int, n_accepted: int) -> None: ...
+
+
+class DraftModelDrafter:
+    """Greedy drafts from a smaller model that shares the target's vocabulary.
+
+    The draft model's cache is kept in step with the context: `propose` reuses the longest
+    cached prefix, so after a step it evaluates only the tokens it has not seen (usually the
+    target's own token, plus the last draft after a full accept) — never the whole history.
+    """
+
+    name = "draft-model"
+
+    def __init__(self, model_dft: LlamaModel):
+        self.model_dft = model_dft
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self.model_dft.sync(prompt)
+
+    def propose(self, context: Sequence[int], n_max: int) -> list[int]:
+        if n_max <= 0:
+            return []
+        logits = self.model_dft.sync(context)
+        draft: list[int] = []
+        while True:
+            token = int(np.argmax(logits[-1]))
+            draft.append(token)
+            # The last draft token is not evaluated: only the target's verdict says if it stays.
+            if len(draft) == n_max or self.model_dft.is_eog(token):
+                return draft
+            logits = self.model_dft.eval([token], logits="last")
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        pass  # the next propose() trims the rejected tail through sync()
+
+
+class PromptLookupDrafter:
+    """Drafts by copying: find the latest earlier occurrence of the context's last tokens and
+    propose what followed it there. No model, near-zero cost.
+
+    Long matches predict well, short ones often mislead (a wrong draft still costs a wider target
+    pass). So, like llama.cpp's ngram-simple, we prefer long keys: try key lengths from
+    `ngram_max` down to `ngram_min` and use the longest that matches. The index of earlier
+    n-grams grows incrementally, so a step costs O(ngram_max), not O(context).
+    """
+
+    name = "lookup"
+
+    def __init__(self, ngram_max: int = 8, ngram_min: int = 2):
+        assert 1 <= ngram_min <= ngram_max
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self._tokens: list[int] = []  # the context the index describes
+        # _latest[n][key] = start of the latest indexed occurrence of the n-gram `key`.
+        self._latest: dict[int, dict[tuple[int, ...], int]] = {}
+        self._indexed_end = 0  # n-grams ending at or before this index are in _latest
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self._reset(prompt)
+
+    def _reset(self, context: Sequence[int]) -> None:
+        self._tokens = list(context)
+        self._latest = {n: {} for n in range(self.ngram_min, self.ngram_max + 1)}
+        self._indexed_end = 0
+
+    def _follow(self, context: Sequence[int]) -> None:
+        """Bring the index up to date with `context` (rebuild if it is not an extension)."""
+        known = len(self._tokens)
+        if len(context) < known or list(context[:known]) != self._tokens:
+            self._reset(context)
+        else:
+            self._tokens.extend(context[known:])
+        # Index every n-gram that ends before the final position: the final n-gram is the key
+        # we look up, and it must match an *earlier* occurrence.
+        tokens = self._tokens
+        end_limit = len(tokens) - 1
+        for end in range(self._indexed_end + 1, end_limit + 1):
+            for n, table in self._latest.items():
+                if end >= n:
+                    table[tuple(tokens[end - n : end])] = end - n
+        self._indexed_end = max(self._indexed_end, end_limit)
+
+    def propose(self, context: Sequence[int], n_max: int) -> list[int]:
+        if n_max <= 0:
+            return []
+        self._follow(context)
+        tokens = self._tokens
+        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
+            start = self._latest[n].get(tuple(tokens[-n:]))
+            if start is not None:
+                return _continue_periodically(tokens, start + n, n_max)
+        return []
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        pass
+
+
+def _continue_periodically(tokens: list[int], begin: int, n_max: int) -> list[int]:
+    """tokens[begin:begin + n_max], where reading past the end repeats the last period.
+
+    The key at the end of `tokens` repeats the one ending at `begin`, so the text since then
+    (period len - begin) is a loop in progress: continue it rather than stop short.
+    """
+    period = len(tokens) - begin
+    out = tokens[begin : begin + n_max]
+    while len(out) < n_max:
+        out.append(out[len(out) - period])
+    return out

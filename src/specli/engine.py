@@ -1,0 +1,177 @@
+"""The draft-then-verify loop.
+
+Each step: the drafter proposes up to k tokens; the target evaluates [last, d1..dk] in one pass
+with logits at every position; verification keeps the longest agreeing prefix plus the target's
+own token; the rejected positions are removed from the target's cache.
+
+Bookkeeping (target): between steps the target's cache holds the whole context except its newest
+token `last`, which is the first token of the next pass. With j drafts accepted the pass emits
+d1..dj and t*, the cache is trimmed to the context before t*, and t* becomes `last`.
+
+`generate()` returns a `Generation`: iterate it to run the loop step by step (each step is an
+event for the UI); its fields always describe what has been produced so far, so an interrupted
+run keeps its text and stats.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from .drafters import Drafter
+from .errors import UsageError
+from .llama import LlamaModel, common_prefix_len
+from .stats import Stats
+from .text import TextStream
+from .verify import verify_greedy
+
+STOP_EOS = "eos"
+STOP_MAX_TOKENS = "max_tokens"
+STOP_CONTEXT_FULL = "context_full"
+STOP_INTERRUPTED = "interrupted"
+
+MAX_DRAFT = 64  # draft lengths beyond this only waste target work
+
+
+@dataclass
+class Step:
+    """One target pass: what it emitted and how the draft fared."""
+
+    tokens: list[int]  # emitted tokens (accepted drafts first, then the target's own)
+    text_drafted: str  # text completed by the accepted draft tokens
+    text_own: str  # text completed by the target's own token
+    n_drafted: int
+    n_accepted: int  # the first n_accepted emitted tokens came from the draft
+
+    @property
+    def text(self) -> str:
+        """All text this step completed (may be "" while a character is incomplete)."""
+        return self.text_drafted + self.text_own
+
+
+@dataclass
+class Generation:
+    """A generation in progress or finished. Iterate to advance it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str | None = None
+    stats: Stats = field(default_factory=Stats)
+    _steps: Iterator[Step] | None = None
+    _stream: TextStream | None = None
+
+    def __iter__(self) -> Iterator[Step]:
+        assert self._steps is not None
+        return self._steps
+
+    def run(self) -> "Generation":
+        """Run to the end without looking at the steps."""
+        for _ in self:
+            pass
+        return self
+
+    def interrupt(self) -> None:
+        """Mark as stopped by the user (keeps everything produced so far)."""
+        if self.stop_reason is None:
+            self._finish(STOP_INTERRUPTED)
+
+    def _finish(self, reason: str) -> None:
+        self.stop_reason = reason
+        if self._stream is not None:
+            self.text += self._stream.flush()
+            self._stream = None
+
+
+class SpeculativeDecoder:
+    """Greedy speculative decoding with one target model and an optional drafter.
+
+    With no drafter (target-only) each pass evaluates just `last`: plain decoding through the
+    very same loop, the baseline every comparison uses.
+    """
+
+    def __init__(self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int):
+        if drafter is not None and not 1 <= n_draft <= MAX_DRAFT:
+            raise UsageError(f"-n must be between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
+        self.model_tgt = model_tgt
+        self.drafter = drafter
+        self.n_draft = n_draft if drafter is not None else 0
+
+    def generate(self, prompt_ids: Sequence[int], *, max_tokens: int) -> Generation:
+        """Start generating after `prompt_ids` (which must include BOS if the model wants it)."""
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise UsageError("the prompt is empty; give some text to continue")
+        if max_tokens < 1:
+            raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+        n_ctx = self.model_tgt.n_ctx
+        if len(prompt) >= n_ctx:
+            raise UsageError(
+                f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}; raise -c above {len(prompt)}"
+            )
+        gen = Generation(prompt_ids=prompt, _stream=TextStream(self.model_tgt.piece))
+        gen._steps = self._steps(gen, max_tokens)
+        return gen
+
+    def _steps(self, gen: Generation, max_tokens: int) -> Iterator[Step]:
+        model_tgt, drafter, stats = self.model_tgt, self.drafter, gen.stats
+        context = list(gen.prompt_ids)  # prompt + output; context[-1] is `last`
+        n_ctx = model_tgt.n_ctx
+
+        t0 = time.perf_counter()
+        reused = common_prefix_len(model_tgt.cached, context[:-1])
+        model_tgt.truncate(reused)
+        model_tgt.eval(context[reused:-1], logits="none")
+        if drafter is not None:
+            drafter.begin(context)
+        stats.prompt_tokens = len(context)
+        stats.prompt_s = time.perf_counter() - t0
+
+        t_gen = time.perf_counter()
+        while True:
+            remaining = max_tokens - len(gen.token_ids)
+            room = n_ctx - len(context)  # positions left after the context
+            if remaining <= 0:
+                gen._finish(STOP_MAX_TOKENS)
+                return
+            if room <= 0:
+                gen._finish(STOP_CONTEXT_FULL)
+                return
+            # A pass emits up to k+1 tokens; keep them within the budget and the context.
+            k = min(self.n_draft, remaining - 1, room - 1)
+
+            t_draft = time.perf_counter()
+            draft = drafter.propose(context, k)[:k] if (drafter is not None and k > 0) else []
+            t_verify = time.perf_counter()
+            assert len(model_tgt.cached) == len(context) - 1
+            logits_tgt = model_tgt.eval([context[-1], *draft], logits="all")
+            verdict = verify_greedy(logits_tgt, draft)
+            # Keep the cache = context before the new `last` (the target's own token).
+            model_tgt.truncate(len(context) + verdict.n_accepted)
+            if drafter is not None and draft:
+                drafter.update(len(draft), verdict.n_accepted)
+            t_done = time.perf_counter()
+
+            emitted = verdict.tokens
+            stop = None
+            for i, token in enumerate(emitted):
+                if model_tgt.is_eog(token):
+                    emitted, stop = emitted[:i], STOP_EOS
+                    break
+            context.extend(verdict.tokens)
+            gen.token_ids.extend(emitted)
+            n_from_draft = min(verdict.n_accepted, len(emitted))
+            text_drafted = gen._stream.feed(emitted[:n_from_draft])
+            text_own = gen._stream.feed(emitted[n_from_draft:])
+            gen.text += text_drafted + text_own
+            stats.record_step(len(draft), verdict.n_accepted, len(emitted))
+            stats.draft_s += t_verify - t_draft
+            stats.verify_s += t_done - t_verify
+            stats.generation_s = time.perf_counter() - t_gen
+            if stop is not None:
+                gen._finish(stop)
+            yield Step(emitted, text_drafted, text_own, n_drafted=len(draft), n_accepted=n_from_draft)
+            if stop is not None:
+                return
+

