@@ -19,13 +19,13 @@ def fixture_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def pair_perturbed(fixture_dir) -> tuple[Path, Path]:
-    """F32 target and a noisy copy as draft: agrees often, not always."""
-    return synthetic.make_pair(fixture_dir, "perturbed", seed=1, noise=0.3)
+    """F32 target and a noisy copy as draft: agrees about 3 times in 4 (see synthetic.py)."""
+    return synthetic.make_pair(fixture_dir, "perturbed", seed=1, noise=0.05)
 
 
 @pytest.fixture(scope="session")
 def pair_truncated(fixture_dir) -> tuple[Path, Path]:
-    """F32 target and its first layer as draft: a different, weaker drafter."""
+    """F32 target and its first layer as draft: a weak drafter (agrees about 1 time in 5)."""
     return synthetic.make_pair(fixture_dir, "truncated", seed=2, draft_layers=1)
 
 
@@ -43,5 +43,6 @@ def gemma_path() -> Path:
 
 
 def load(path: Path, n_ctx: int = FIXTURE_CTX) -> LlamaModel:
+    """A fixture model with the numerics that make batched == one-at-a-time (see llama.py)."""
     init_backend()
-    return LlamaModel(path, n_ctx=n_ctx, n_threads=2)
+    return LlamaModel(path, n_ctx=n_ctx, n_threads=2, kv_type="f32", flash_attn="off")

@@ -11,7 +11,6 @@ import sys
 import traceback
 from typing import Optional
 
-import click
 import typer
 
 from . import __version__
@@ -151,14 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"specli: error: {err}", file=sys.stderr)
         code = err.exit_code
-    except click.UsageError as err:
-        hint = f" (see 'specli {err.ctx.info_name} --help')" if err.ctx is not None and err.ctx.parent is not None else " (see 'specli --help')"
-        print(f"specli: error: {err.format_message()}{hint}", file=sys.stderr)
-        code = EXIT_USAGE
-    except click.ClickException as err:
-        print(f"specli: error: {err.format_message()}", file=sys.stderr)
-        code = err.exit_code
-    except (KeyboardInterrupt, click.Abort):
+    except KeyboardInterrupt:
         print("specli: interrupted", file=sys.stderr)
         code = EXIT_INTERRUPTED
     except BrokenPipeError:
@@ -166,9 +158,28 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         code = EXIT_RUNTIME
-    except Exception as err:  # a bug or an unexpected failure: still one line unless --verbose
+    except Exception as err:
+        if _is_click_error(err):
+            print(f"specli: error: {_click_message(err)}", file=sys.stderr)
+            code = err.exit_code
+            sys.exit(code)
+        if type(err).__name__ == "Abort":  # click's wrapper of Ctrl-C / EOF at a prompt
+            print("specli: interrupted", file=sys.stderr)
+            sys.exit(EXIT_INTERRUPTED)
+        # A bug or an unexpected failure: still one line unless --verbose.
         if verbose:
             traceback.print_exc()
         print(f"specli: error: {type(err).__name__}: {err} (run with --verbose for details)", file=sys.stderr)
         code = EXIT_RUNTIME
     sys.exit(code)
+
+
+def _is_click_error(err: Exception) -> bool:
+    # Typer vendors its own copy of click, so match click's exceptions by shape, not class.
+    return hasattr(err, "format_message") and isinstance(getattr(err, "exit_code", None), int)
+
+
+def _click_message(err) -> str:
+    ctx = getattr(err, "ctx", None)
+    command = f"specli {ctx.info_name}" if ctx is not None and ctx.parent is not None else "specli"
+    return f"{err.format_message()} (see '{command} --help')"

@@ -27,6 +27,19 @@ from .errors import ModelFileError, SpecliError, UsageError
 
 GGUF_MAGIC = b"GGUF"
 
+# KV cache element types a user may pick (ggml type ids).
+KV_TYPES = {
+    "f32": llama_cpp.GGML_TYPE_F32,
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+FLASH_ATTN = {
+    "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+
 # llama.cpp's vocab types (enum llama_vocab_type), for messages.
 VOCAB_TYPE_NAMES = {0: "none", 1: "SPM", 2: "BPE", 3: "WPM", 4: "UGM", 5: "RWKV", 6: "PLaMo2"}
 
@@ -120,8 +133,14 @@ class LlamaModel:
         n_gpu_layers: int = -1,
         n_threads: int | None = None,
         n_batch: int = 512,
+        kv_type: str = "f16",
+        flash_attn: str = "auto",
     ):
         """Load `path` (every layer offloaded to the GPU by default) and create its context.
+
+        kv_type and flash_attn are llama.cpp's defaults. Batched and one-token decodes then
+        differ by ~1e-2 in the logits; kv_type="f32" with flash_attn="off" brings that to
+        ~1e-5 (what exactness tests on F32 models use).
 
         Raises ModelFileError for a missing/invalid/unloadable file and SpecliError when the
         context cannot be created (e.g. out of memory).
@@ -150,6 +169,8 @@ class LlamaModel:
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.no_perf = True
+        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+        cparams.flash_attn_type = FLASH_ATTN[flash_attn]
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             llama_cpp.llama_model_free(model)

@@ -625,15 +625,23 @@ def make_cost_pair(
     residual stream and lowers agreement (about 1.0 -> near-independent models). Alternatively
     pass ``agreement`` (0..1): the scale is then found by bisection on ``reference_logits``
     agreement over a fixed random token sequence (teacher-forced; agreement along a greedy path
-    is similar but not identical). Default: agreement 0.8.
+    is similar but not identical). Default: agreement 0.8. Calibration costs ~2 s of numpy.
+
+    Measured with the defaults (2 CPU threads, llama.cpp default context): target 1.6-1.9 ms per
+    one-token decode, draft 0.16 ms (~10x); target passes over k = 2, 4, 8 tokens ~3.5, 4.4,
+    7 ms. Greedy-path agreement for agreement = 0.9, 0.7, 0.5: 0.96, 0.78, 0.45. Files: target
+    52 MB, draft 7 MB in F16 (benchmark fixtures, not for the unit tests).
     """
     spec_d = ModelSpec(draft_layers, n_embd, n_head, n_head_kv, n_ff, n_ctx_train)
     spec_t = replace(spec_d, n_layer=draft_layers + extra_layers)
     vocab = build_vocab("base")
     draft_w = random_weights(spec_d, len(vocab), seed, logit_std=logit_std)
+    if extra_scale is not None and agreement is not None:
+        raise ValueError("pass agreement or extra_scale, not both")
     if extra_scale is None:
+        wanted = 0.8 if agreement is None else agreement
         extra_scale = _calibrate_extra_scale(
-            spec_d, draft_w, extra_layers, seed, 0.8 if agreement is None else agreement, len(vocab)
+            spec_d, draft_w, extra_layers, seed, wanted, len(vocab)
         )
     target_w = dict(draft_w)
     target_w.update(_extra_blocks(spec_d, draft_layers, extra_layers, seed, extra_scale))

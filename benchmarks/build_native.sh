@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Build the native llama.cpp binaries that benchmarks/bench_lookup.py compares specli against.
+#
+# Usage: benchmarks/build_native.sh [DIR]        (default DIR=/tmp/specli-native)
+#
+# The llama-cpp-python sdist vendors the exact llama.cpp that specli binds
+# (vendor/llama.cpp), so building from it gives a like-for-like yardstick.
+# Everything goes under DIR, outside the repo; nothing is installed.
+# Idempotent: re-running skips the download/unpack when DIR/src exists and the
+# build when all binaries already exist.
+#
+# Env overrides: LLAMA_CPP_PYTHON_VERSION (default 0.3.36), JOBS (default 2),
+#                LLAMA_SRC (an already unpacked sdist directory to copy from).
+set -euo pipefail
+
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+DIR="${1:-/tmp/specli-native}"
+JOBS="${JOBS:-2}"
+SRC="$DIR/src"
+LLAMA="$SRC/vendor/llama.cpp"
+BIN="$LLAMA/build/bin"
+# llama-completion gives a same-prompt plain-decoding baseline (-t, -f, --ignore-eos);
+# llama-simple can't set threads, so it is not used.
+TARGETS=(llama-speculative-simple llama-bench llama-completion)
+
+all_built() {
+    local t
+    for t in "${TARGETS[@]}"; do
+        [[ -x "$BIN/$t" ]] || return 1
+    done
+}
+
+mkdir -p "$DIR"
+
+if all_built; then
+    echo "native binaries already built in $BIN (delete them to rebuild)"
+    exit 0
+fi
+
+if [[ ! -f "$LLAMA/CMakeLists.txt" ]]; then
+    if [[ -n "${LLAMA_SRC:-}" && -f "$LLAMA_SRC/vendor/llama.cpp/CMakeLists.txt" ]]; then
+        echo "copying unpacked sdist from $LLAMA_SRC"
+        rm -rf "$SRC"
+        cp -a "$LLAMA_SRC" "$SRC"
+    else
+        echo "downloading llama-cpp-python==$VERSION sdist"
+        dl="$DIR/download"
+        mkdir -p "$dl"
+        python -m pip download --no-deps --no-binary :all: -d "$dl" "llama-cpp-python==$VERSION"
+        tarball="$(ls "$dl"/llama_cpp_python-"$VERSION".tar.gz)"
+        rm -rf "$DIR/unpack" && mkdir -p "$DIR/unpack"
+        tar -xzf "$tarball" -C "$DIR/unpack"
+        rm -rf "$SRC"
+        mv "$DIR/unpack/llama_cpp_python-$VERSION" "$SRC"
+        rmdir "$DIR/unpack"
+    fi
+fi
+
+cd "$LLAMA"
+# CURL/OpenSSL off: the benchmark only reads local files, and it avoids extra system deps.
+cmake -B build -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release
+cmake --build build -j"$JOBS" --target "${TARGETS[@]}"
+
+all_built || { echo "build finished but some binaries are missing in $BIN" >&2; exit 1; }
+echo "native binaries ready in $BIN"

