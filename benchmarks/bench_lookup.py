@@ -17,9 +17,11 @@ round, so that load spikes hit every configuration alike):
 - native ngram default: `llama-speculative-simple --spec-type ngram-simple` with its
                   defaults (key n=12 tokens, draft m=48 tokens).
 - native ngram m=N: the same with `--spec-ngram-simple-size-m N` (draft length matched to
-                  specli's -n; key length stays 12).  Note: `--spec-draft-n-max` is parsed
-                  but has no effect on ngram-simple (its draft length is size-m), so it is
-                  not passed.
+                  specli's -n) and `--spec-ngram-simple-size-n min(12, N)`: ngram-simple
+                  drafts nothing when size-m < size-n (common/ngram-map.cpp returns an empty
+                  draft when `copy_max < size_n`), so for N < 12 the key must shrink too.
+                  Note: `--spec-draft-n-max` is parsed but has no effect on ngram-simple (its
+                  draft length is size-m), so it is not passed.
 - yardsticks (not in the ratio): `llama-bench -p 0 -n M` (plain decoding from an empty
   prompt) and `llama-completion` on the same prompt (its "eval time" rate: decode compute
   only, no sampling or loop overhead).
@@ -29,7 +31,11 @@ What each speed figure covers:
   last token) is processed before the clock starts.
 - llama-speculative-simple "decoded N tokens in X seconds, speed: Y t/s" = n_predict / the
   generation loop's wall time; the prompt (all but its last token) is processed before that
-  clock starts ("encoded ..." line), model loading is excluded. Same definition as specli.
+  clock starts ("encoded ..." line), model loading is excluded. Same definition as specli,
+  but that run overshoots -n (its last pass verifies an untruncated draft, up to 48 tokens),
+  so the table uses the same clock cut at the first target pass that reaches M tokens, read
+  from the per-pass debug log lines (see `spec_simple_cmd`). The printed figures are kept in
+  the --json output as `printed_*`.
 
 Build the native binaries first: `benchmarks/build_native.sh` (default /tmp/specli-native).
 
@@ -44,11 +50,11 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,7 +64,8 @@ NATIVE_BIN_SUBDIR = Path("src/vendor/llama.cpp/build/bin")
 NATIVE_TOOLS = ("llama-speculative-simple", "llama-bench", "llama-completion")
 # A key longer than any context we use: ngram-simple then never finds a match, never drafts.
 NO_DRAFT_KEY = 1024
-NATIVE_DEFAULT_SIZES = "n=12,m=48"  # llama.cpp's ngram-simple defaults (common/common.h)
+NATIVE_DEFAULT_KEY = 12  # llama.cpp's ngram-simple defaults (common/common.h): key n=12,
+NATIVE_DEFAULT_SIZES = "n=12,m=48"  # draft m=48
 
 
 # --------------------------------------------------------------------------------------
@@ -180,8 +187,6 @@ def run_process(cmd: list[str], timeout: float = 600) -> subprocess.CompletedPro
 
 def shell_join(cmd: list[str]) -> str:
     """A copy-pasteable rendering of `cmd` for --show-commands and error messages."""
-    import shlex
-
     return shlex.join(cmd)
 
 
@@ -248,34 +253,73 @@ def native_bins(native_dir: Path) -> dict[str, Path]:
 def spec_simple_cmd(bin_: Path, prompt_file: Path, args: argparse.Namespace, sizes: list[str]) -> list[str]:
     """llama-speculative-simple with ngram-simple self-drafting and greedy sampling.
 
-    -n is max_tokens - 1 because the example's loop stops only once it has *exceeded* -n
-    (`n_predict > params.n_predict`), i.e. it emits -n + 1 tokens; this makes the counts match.
+    Two things make its own "decoded ... speed" figure unfit for a same-token-count comparison,
+    both from examples/speculative-simple/speculative-simple.cpp and common/speculative.cpp:
+    - the loop stops only once it has *exceeded* -n (`n_predict > params.n_predict`);
+    - the draft is truncated to the remaining budget only while that budget is > 0
+      (`if (dp.n_max > 0)`), so the last pass verifies an untruncated draft: up to size-m
+      (48 by default) extra tokens almost for free, which inflates the figure.
+    So we ask for -n M+1, log at debug level (-lv 5) to get one timestamped
+    "accepted A/D draft tokens" line per target pass, and time the run up to the first pass
+    that reaches M tokens (see `cut_at_max_tokens`). No pass before that is untruncated.
     """
     return [
         str(bin_), "-m", str(args.model), "--spec-type", "ngram-simple", *sizes,
-        "-f", str(prompt_file), "-n", str(args.max_tokens - 1), "--temp", "0",
-        "-t", str(args.threads), "-c", str(args.ctx),
+        "-f", str(prompt_file), "-n", str(args.max_tokens + 1), "--temp", "0",
+        "-t", str(args.threads), "-c", str(args.ctx), "-lv", "5",
     ]  # fmt: skip
 
 
-def run_spec_simple(config: str, prompt_name: str, rnd: int, cmd: list[str], prompt: str) -> Run:
+# llama.cpp log lines start with a "minutes.seconds.millis.micros" timestamp (common/log.cpp).
+TS = r"^(\d+)\.(\d+)\.(\d+)\.(\d+) "
+
+
+def log_time(m: re.Match) -> float:
+    """Seconds since the log started, from the first four groups of a TS match."""
+    minutes, seconds, millis, micros = (int(g) for g in m.groups()[:4])
+    return minutes * 60 + seconds + millis / 1e3 + micros / 1e6
+
+
+def cut_at_max_tokens(err: str, max_tokens: int) -> dict:
+    """Tokens, time, drafted and accepted up to the first target pass that reaches max_tokens.
+
+    Each pass logs "accepted A/D draft tokens" after emitting A + 1 tokens. The generation
+    clock starts at (time of the "decoded" line) - (its seconds), as in the example itself.
+    """
+    dec = search(TS + r"I decoded\s+(\d+) tokens in\s+([\d.]+) seconds", err, "'decoded' line")
+    t_start = log_time(dec) - float(dec.group(6))
+    tokens = drafted = accepted = passes = 0
+    t_cut = log_time(dec)
+    for m in re.finditer(TS + r"D accepted (\d+)/(\d+) draft tokens", err, re.MULTILINE):
+        a, d = int(m.group(5)), int(m.group(6))
+        tokens, drafted, accepted, passes = tokens + a + 1, drafted + d, accepted + a, passes + 1
+        t_cut = log_time(m)
+        if tokens >= max_tokens:
+            break
+    if passes == 0:
+        raise BenchError(f"no per-pass 'accepted' debug lines (is -lv 5 honoured?):\n{err[-2000:]}")
+    return {"tokens": tokens, "seconds": t_cut - t_start, "drafted": drafted, "accepted": accepted, "passes": passes}
+
+
+def run_spec_simple(config: str, prompt_name: str, rnd: int, cmd: list[str], prompt: str, max_tokens: int) -> Run:
     """Run llama-speculative-simple; parse its summary (stderr) and generated text (stdout)."""
     proc = run_process(cmd)
     err = proc.stderr
     dec = search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", err, "'decoded' line")
     enc = search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", err, "'encoded' line")
-    n_predict = int(search(r"n_predict\s*=\s*(\d+)", err, "n_predict").group(1))
     drafted = int(search(r"n_drafted\s*=\s*(\d+)", err, "n_drafted").group(1))
     accepted = int(search(r"n_accept\s*=\s*(\d+)", err, "n_accept").group(1))
-    n_tokens, seconds = int(dec.group(1)), float(dec.group(2))
+    cut = cut_at_max_tokens(err, max_tokens)
     return Run(
         config, prompt_name, rnd, cmd,
-        # Recomputed from tokens/seconds: the printed speed is rounded to 3 decimals, same thing.
-        tokens_per_s=n_tokens / seconds if seconds > 0 else None, n_tokens=n_predict,
-        drafted=drafted, accepted=accepted, acceptance=accepted / drafted if drafted else None,
+        tokens_per_s=cut["tokens"] / cut["seconds"] if cut["seconds"] > 0 else None, n_tokens=cut["tokens"],
+        drafted=cut["drafted"], accepted=cut["accepted"],
+        acceptance=cut["accepted"] / cut["drafted"] if cut["drafted"] else None,
         text=native_generated_text(proc.stdout, prompt),
-        extra={"prompt_tokens": int(enc.group(1)), "prompt_s": float(enc.group(2)),
-               "printed_speed": float(dec.group(3))},
+        extra={"prompt_tokens": int(enc.group(1)), "prompt_s": float(enc.group(2)), "passes": cut["passes"],
+               # The example's own figures over its whole (overshooting) run, for reference.
+               "printed_n_predict": int(dec.group(1)), "printed_seconds": float(dec.group(2)),
+               "printed_speed": float(dec.group(3)), "printed_drafted": drafted, "printed_accepted": accepted},
     )  # fmt: skip
 
 
@@ -332,6 +376,12 @@ class Job:
     kind: str  # "specli", "spec-simple", "completion", "llama-bench"
 
 
+def matched_key(n_draft: int) -> int:
+    """ngram-simple key length for draft length n_draft: the default 12, but never above
+    n_draft, since ngram-simple never drafts when size-m < size-n."""
+    return min(NATIVE_DEFAULT_KEY, n_draft)
+
+
 def plan_jobs(args: argparse.Namespace, bins: dict[str, Path], prompt_files: dict[str, Path]) -> list[Job]:
     """Every process of one round, in a fixed base order (rotated per round by the caller)."""
     jobs = [Job("llama-bench tg", "-", llama_bench_cmd(bins["llama-bench"], args), "llama-bench")]
@@ -345,7 +395,7 @@ def plan_jobs(args: argparse.Namespace, bins: dict[str, Path], prompt_files: dic
         jobs.append(Job("native plain", name, spec_simple_cmd(spec, pfile, args, no_draft), "spec-simple"))
         jobs.append(Job("native ngram default", name, spec_simple_cmd(spec, pfile, args, []), "spec-simple"))
         for n in args.n:
-            sizes = ["--spec-ngram-simple-size-m", str(n)]
+            sizes = ["--spec-ngram-simple-size-n", str(matched_key(n)), "--spec-ngram-simple-size-m", str(n)]
             jobs.append(Job(f"native ngram m={n}", name, spec_simple_cmd(spec, pfile, args, sizes), "spec-simple"))
         if not args.no_completion:
             jobs.append(Job("native completion", name, completion_cmd(bins["llama-completion"], pfile, args), "completion"))
@@ -358,18 +408,18 @@ def llama_bench_cmd(bin_: Path, args: argparse.Namespace) -> list[str]:
             "-t", str(args.threads), "-r", str(args.bench_reps), "-o", "json"]  # fmt: skip
 
 
-def execute(job: Job, rnd: int) -> Run:
+def execute(job: Job, rnd: int, max_tokens: int) -> Run:
     """Run one job and parse its output according to its kind."""
     if job.kind == "specli":
         return run_specli(job.config, job.prompt, rnd, job.cmd)
     if job.kind == "spec-simple":
-        return run_spec_simple(job.config, job.prompt, rnd, job.cmd, PROMPTS[job.prompt])
+        return run_spec_simple(job.config, job.prompt, rnd, job.cmd, PROMPTS[job.prompt], max_tokens)
     if job.kind == "completion":
         return run_completion(job.prompt, rnd, job.cmd)
-    return run_llama_bench(rnd, job.cmd, int(job.cmd[job.cmd.index("-n") + 1]))
+    return run_llama_bench(rnd, job.cmd, max_tokens)
 
 
-def run_all(jobs: list[Job], repeat: int, log) -> list[Run]:
+def run_all(jobs: list[Job], repeat: int, max_tokens: int, log) -> list[Run]:
     """All jobs, `repeat` rounds; each round starts one job later so no config is always first."""
     runs: list[Run] = []
     total = len(jobs) * repeat
@@ -377,7 +427,7 @@ def run_all(jobs: list[Job], repeat: int, log) -> list[Run]:
         shift = rnd % len(jobs)
         for job in jobs[shift:] + jobs[:shift]:
             t0 = time.perf_counter()
-            run = execute(job, rnd)
+            run = execute(job, rnd, max_tokens)
             runs.append(run)
             tps = f"{run.tokens_per_s:7.1f} tok/s" if run.tokens_per_s else "      - tok/s"
             log(f"[{len(runs):3d}/{total}] round {rnd + 1} {job.prompt:8s} {job.config:22s} {tps}"
@@ -446,7 +496,8 @@ def build_rows(summary: dict, args: argparse.Namespace) -> list[dict]:
         n_plain = summary[(name, "native plain")]
         for n in args.n:
             s_look = summary[(name, f"specli lookup n={n}")]
-            for variant, label in ((f"native ngram m={n}", f"n=12,m={n}"), ("native ngram default", NATIVE_DEFAULT_SIZES)):
+            matched = (f"native ngram m={n}", f"n={matched_key(n)},m={n}")
+            for variant, label in (matched, ("native ngram default", NATIVE_DEFAULT_SIZES)):
                 n_look = summary[(name, variant)]
                 s_speed = ratio(s_look["tokens_per_s"], s_plain["tokens_per_s"])
                 n_speed = ratio(n_look["tokens_per_s"], n_plain["tokens_per_s"])
@@ -472,11 +523,16 @@ def fmt(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
 
 
 def fmt_tokens(counts: dict[str, list[int]]) -> str:
-    """Generated-token counts: one number when all configs agree, else each, flagged with '!'."""
+    """Generated-token counts: one number when all configs agree, else each config's.
+
+    Flagged with '!' when they differ by more than one token: native's timed span may end on
+    a pass that reaches M + 1 (see `spec_simple_cmd`), which is expected and harmless.
+    """
     distinct = sorted({c for cs in counts.values() for c in cs})
     if len(distinct) == 1:
         return str(distinct[0])
-    return "!" + "/".join(",".join(map(str, cs)) for cs in counts.values())
+    flag = "!" if distinct[-1] - distinct[0] > 1 else ""
+    return flag + "/".join(",".join(map(str, cs)) for cs in counts.values())
 
 
 def print_table(rows: list[dict], summary: dict, args: argparse.Namespace, load: tuple) -> None:
@@ -519,8 +575,8 @@ def print_table(rows: list[dict], summary: dict, args: argparse.Namespace, load:
         "native plain = llama-speculative-simple with ngram-simple key n=1024 (never matches, never drafts).",
         "acc = accepted / drafted draft tokens (accepted/drafted per run in parentheses); specli× / native× > 1 "
         "means specli gains more over its own plain decoding than llama.cpp does.",
-        "tokens: generated tokens, one number if every run agreed, else '!'-flagged counts per config "
-        "(specli plain / specli lookup / native plain / native ngram).",
+        "tokens: generated (timed) tokens, one number if every run agreed, else per config: specli plain / "
+        "specli lookup / native plain / native ngram ('!' if they differ by more than 1).",
         "same text: specli lookup output vs native ngram output ('no@K': they differ from character K).",
         f"load average before/after: {load[0]} / {load[1]}  (machine: {platform.machine()}, {os.cpu_count()} cpus)",
     ]
@@ -584,6 +640,25 @@ def default_model() -> Path:
     return Path(assemble())
 
 
+def write_prompt_files(folder: Path, names: list[str]) -> dict[str, Path]:
+    """Write the prompts where llama.cpp reads them (-f), so its input is exactly specli's
+    argument; kept after the run so that --show-commands prints re-runnable commands."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name in names:
+        files[name] = folder / f"{name}.txt"
+        files[name].write_text(PROMPTS[name], encoding="utf-8")
+    return files
+
+
+def display_cmd(job: Job, prompt_files: dict[str, Path]) -> str:
+    """A job's command for --show-commands; specli's prompt argument read back from its file
+    (no prompt ends with a newline, so $(cat ...) gives the exact text)."""
+    if job.kind != "specli":
+        return shell_join(job.cmd)
+    return shell_join(job.cmd[:-1]) + f' "$(cat {shlex.quote(str(prompt_files[job.prompt]))})"'
+
+
 def load_avg() -> str:
     """1-minute load average, to judge how noisy the numbers are."""
     return f"{os.getloadavg()[0]:.2f}"
@@ -596,26 +671,21 @@ def main(argv: list[str] | None = None) -> int:
     args.specli = find_specli()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  (progress on stderr)
 
-    with tempfile.TemporaryDirectory(prefix="specli-bench-") as tmp:
-        # llama.cpp reads prompts from files (-f) so the bytes are exactly specli's argument.
-        prompt_files = {}
-        for name in args.prompts:
-            prompt_files[name] = Path(tmp) / f"{name}.txt"
-            prompt_files[name].write_text(PROMPTS[name], encoding="utf-8")
-        jobs = plan_jobs(args, bins, prompt_files)
-        load_before = load_avg()
-        log(f"load average {load_before}; {len(jobs)} runs x {args.repeat} rounds; model {args.model}")
-        warm_up(args)
-        runs = run_all(jobs, args.repeat, log)
-        load_after = load_avg()
+    prompt_files = write_prompt_files(args.native_dir / "prompts", args.prompts)
+    jobs = plan_jobs(args, bins, prompt_files)
+    load_before = load_avg()
+    log(f"load average {load_before}; {len(jobs)} runs x {args.repeat} rounds; model {args.model}")
+    warm_up(args)
+    runs = run_all(jobs, args.repeat, args.max_tokens, log)
+    load_after = load_avg()
 
     summary = summarize_runs(runs)
     rows = build_rows(summary, args)
     print_table(rows, summary, args, (load_before, load_after))
     if args.show_commands:
-        print("\ncommands (round 1; prompt files are temporary copies of the built-in prompts):")
+        print(f"\ncommands (the prompt files in {args.native_dir / 'prompts'} hold the built-in prompts):")
         for job in jobs:
-            print(f"  [{job.prompt}] {job.config}: {shell_join(job.cmd) if job.kind != 'specli' else shell_join(job.cmd[:-1]) + ' <prompt>'}")
+            print(f"  [{job.prompt}] {job.config}:\n    {display_cmd(job, prompt_files)}")
     if args.json:
         payload = {
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"},

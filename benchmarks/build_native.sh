@@ -19,8 +19,9 @@ JOBS="${JOBS:-2}"
 SRC="$DIR/src"
 LLAMA="$SRC/vendor/llama.cpp"
 BIN="$LLAMA/build/bin"
-# llama-completion gives a same-prompt plain-decoding baseline (-t, -f, --ignore-eos);
-# llama-simple can't set threads, so it is not used.
+# llama-completion: a same-prompt plain-decoding cross-check (takes -t/-f, prints its decode
+# "eval time" rate). llama-simple is not built: it prints a speed, but it cannot set threads
+# and its timed loop includes the prompt's decode.
 TARGETS=(llama-speculative-simple llama-bench llama-completion)
 
 all_built() {
@@ -43,11 +44,16 @@ if [[ ! -f "$LLAMA/CMakeLists.txt" ]]; then
         rm -rf "$SRC"
         cp -a "$LLAMA_SRC" "$SRC"
     else
-        echo "downloading llama-cpp-python==$VERSION sdist"
         dl="$DIR/download"
+        tarball="$dl/llama_cpp_python-$VERSION.tar.gz"
         mkdir -p "$dl"
-        python -m pip download --no-deps --no-binary :all: -d "$dl" "llama-cpp-python==$VERSION"
-        tarball="$(ls "$dl"/llama_cpp_python-"$VERSION".tar.gz)"
+        if [[ ! -f "$tarball" ]]; then
+            echo "downloading llama-cpp-python==$VERSION sdist"
+            # --no-binary for this package only: with ':all:' pip also builds the sdist's
+            # build backend dependencies from source just to read its metadata (slow).
+            python -m pip download --no-deps --no-binary llama-cpp-python -d "$dl" \
+                "llama-cpp-python==$VERSION"
+        fi
         rm -rf "$DIR/unpack" && mkdir -p "$DIR/unpack"
         tar -xzf "$tarball" -C "$DIR/unpack"
         rm -rf "$SRC"

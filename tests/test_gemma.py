@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specli.drafters import PromptLookupDrafter
+from specli.drafters import DraftModelDrafter, PromptLookupDrafter
 from specli.engine import SpeculativeDecoder
-from specli.llama import LlamaModel, init_backend
+from specli.llama import LlamaModel, convert, init_backend
 
 pytestmark = pytest.mark.gemma
 
@@ -85,3 +85,18 @@ def test_lookup_on_code_accepts_most_drafts(gemma):
     # The rewrite copies the input's code: prompt lookup must find it (measured: see README).
     assert gen.stats.acceptance_rate > 0.5
     assert gen.stats.mean_tokens_per_pass > 2.0
+
+
+def test_draft_model_on_real_weights(gemma, gemma_path, tmp_path):
+    """Gemma F16 as the target, its own Q4_K_M as the draft: a real pair that agrees closely."""
+    target_path = convert(gemma_path, tmp_path / "gemma-f16.gguf", "f16")
+    model_tgt = LlamaModel(target_path, n_ctx=1024, n_threads=2)
+    try:
+        ids = model_tgt.tokenize(STORY_PROMPT)
+        gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(gemma), 4).generate(ids, max_tokens=48).run()
+        gaps = greedy_gaps(model_tgt, ids, gen.token_ids)
+        print(f"F16 target + Q4_K_M draft: acceptance {gen.stats.acceptance_rate:.2f}, max gap {gaps.max():.4f}")
+        assert gen.stats.acceptance_rate > 0.8
+        assert gaps.max() <= LOGIT_MARGIN
+    finally:
+        model_tgt.close()

@@ -103,6 +103,7 @@ def run(
                 live.clear()
                 if not json_out:
                     out.write(step)
+                    live.note_text(step.text)
                     printed += len(step.text)
                 live.show(status_text(gen.stats, with_drafting=with_drafting))
         except KeyboardInterrupt:

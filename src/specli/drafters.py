@@ -65,14 +65,17 @@ class PromptLookupDrafter:
     propose what followed it there. No model, near-zero cost.
 
     Long matches predict well, short ones often mislead (a wrong draft still costs a wider target
-    pass). So, like llama.cpp's ngram-simple, we prefer long keys: try key lengths from
-    `ngram_max` down to `ngram_min` and use the longest that matches. The index of earlier
-    n-grams grows incrementally, so a step costs O(ngram_max), not O(context).
+    pass: on a CPU a 17-token pass costs about 5 one-token passes). So, like llama.cpp's
+    ngram-simple, we want long keys: try key lengths from `ngram_max` down to `ngram_min` and use
+    the longest that matches. Measured on Gemma 3 270M (2 cores, code/summary/story prompts),
+    keys of 12 down to 6 beat 8..2 (1.58x vs 1.06x geometric-mean speedup at their best N) and
+    12..12 (1.55x). The index of earlier n-grams grows incrementally, so a step costs
+    O(ngram_max), not O(context).
     """
 
     name = "lookup"
 
-    def __init__(self, ngram_max: int = 8, ngram_min: int = 2):
+    def __init__(self, ngram_max: int = 12, ngram_min: int = 6):
         assert 1 <= ngram_min <= ngram_max
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max

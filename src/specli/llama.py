@@ -375,3 +375,23 @@ def default_threads() -> int:
 def validate_ctx(n_ctx: int) -> None:
     if n_ctx < 16:
         raise UsageError(f"context size {n_ctx} is too small; use -c 16 or more (default 4096)")
+
+
+FILE_TYPES = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+
+
+def convert(src: Path, dst: Path, file_type: str, *, n_threads: int | None = None) -> Path:
+    """Write `src` re-quantized to `file_type` ("f32", "f16", "q8_0") at `dst` and return dst.
+
+    Used to make a slower target of the same vocabulary (e.g. Gemma F16 beside its Q4_K_M).
+    """
+    init_backend(verbose=_verbose)
+    check_gguf_file(Path(src))
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FILE_TYPES[file_type]
+    params.allow_requantize = True
+    params.nthread = n_threads or default_threads()
+    status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if status != 0:
+        raise SpecliError(f"converting {src} to {file_type} failed: {_last_native_error() or status}")
+    return Path(dst)

@@ -445,7 +445,7 @@ def resolve_source(source: ModelSource) -> Path:
 def _resolve_package(module_name: str) -> Path:
     try:
         module = importlib.import_module(module_name)
-        return Path(module.assemble())
+        return _assemble_once(module)
     except ModuleNotFoundError:
         # The module itself, or one of its chunk packages, is not installed.
         reason = f"module {module_name} is not installed"
@@ -456,6 +456,32 @@ def _resolve_package(module_name: str) -> Path:
             f"could not assemble the model file from {module_name}: {exc}; "
             f"reinstall it: pip install --force-reinstall 'specli[demo]'"
         ) from None
+
+
+def _assemble_once(module) -> Path:
+    """The package's assemble(), skipped when its output is unchanged since it last succeeded.
+
+    assemble() re-hashes the whole file on every call (half a second for Gemma 270M); a stamp of
+    the file's size and mtime beside it remembers that the hash was checked.
+    """
+    default_path = getattr(module, "default_output_path", None)
+    if default_path is not None:
+        path = Path(default_path())
+        stamp = path.with_name(path.name + ".specli-verified")
+        try:
+            stat = path.stat()
+            if stamp.read_text() == f"{stat.st_size} {stat.st_mtime_ns}":
+                return path
+        except OSError:
+            pass
+    path = Path(module.assemble())
+    if default_path is not None and path == Path(default_path()):
+        stat = path.stat()
+        try:
+            stamp.write_text(f"{stat.st_size} {stat.st_mtime_ns}")
+        except OSError:
+            pass  # read-only cache: assemble() will simply run each time
+    return path
 
 
 def _resolve_hf(source: ModelSource) -> Path:

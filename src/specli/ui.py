@@ -12,6 +12,7 @@ import sys
 import time
 from typing import TextIO
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.text import Text
 
@@ -82,11 +83,34 @@ class LiveStatus:
     def __init__(self, err: TextIO, out: TextIO, *, enabled: bool, fps: float = 8.0):
         self.err = err
         self.enabled = enabled and err.isatty()
-        self.shared = self.enabled and out.isatty()
+        self.shared = self.enabled and _same_terminal(out, err)
         self._console = Console(file=err, highlight=False, soft_wrap=True)
         self._interval = 1.0 / fps
         self._last = 0.0
         self._shown = False
+        self._rendered = ""
+        self._column = 0  # where the text cursor is, in cells (shared mode)
+
+    def note_text(self, text: str) -> None:
+        """Follow the text cursor's column (shared mode) through the text just written.
+
+        A terminal that has just filled its last column waits to wrap until the next character;
+        moving the cursor then would make that character overwrite the last one. So while the
+        column equals the width, the status is not drawn.
+        """
+        if not self.shared:
+            return
+        width = self._console.width
+        for char in text:
+            if char == "\n" or char == "\r":
+                self._column = 0
+                continue
+            if self._column >= width:
+                self._column = 0
+            if char == "\t":
+                self._column = min(width, (self._column // 8 + 1) * 8)
+            else:
+                self._column += cell_len(char)
 
     def clear(self) -> None:
         """Erase the status (before text is written, and at the end)."""
@@ -96,23 +120,25 @@ class LiveStatus:
             self.err.flush()
             self._shown = False
 
-    def show(self, line: Text, *, force: bool = False) -> None:
-        if not self.enabled:
+    def show(self, line: Text) -> None:
+        """Draw `line` (re-rendered at most `fps` times a second; redrawn as is in between)."""
+        if not self.enabled or (self.shared and self._column >= self._console.width):
             return
         now = time.monotonic()
-        if not force and now - self._last < self._interval:
+        if now - self._last >= self._interval or not self._rendered:
+            self._last = now
+            width = max(10, self._console.width - 1)  # never wrap: a wrapped line cannot be erased
+            line = line.copy()
+            line.truncate(width)
+            self._rendered = self._render(line)
+        elif self._shown:
             return
-        self._last = now
-        width = max(10, self._console.width - 1)  # never wrap: a wrapped line cannot be erased
-        line = line.copy()
-        line.truncate(width)
-        rendered = self._render(line)
         if self.shared:
             # IND then RI makes sure a line exists below (scrolling if needed) without moving
             # the column; save the cursor, draw below, restore it so the text continues in place.
-            self.err.write("\x1bD\x1bM\x1b7\x1bD\r\x1b[2K" + rendered + "\x1b8")
+            self.err.write("\x1bD\x1bM\x1b7\x1bD\r\x1b[2K" + self._rendered + "\x1b8")
         else:
-            self.err.write("\r\x1b[2K" + rendered)
+            self.err.write("\r\x1b[2K" + self._rendered)
         self.err.flush()
         self._shown = True
 
@@ -120,6 +146,13 @@ class LiveStatus:
         with self._console.capture() as capture:
             self._console.print(line, end="")
         return capture.get()
+
+
+def _same_terminal(a: TextIO, b: TextIO) -> bool:
+    try:
+        return a.isatty() and b.isatty() and os.ttyname(a.fileno()) == os.ttyname(b.fileno())
+    except (OSError, ValueError):
+        return False
 
 
 def summary_line(stats: Stats, *, stop_reason: str | None, with_drafting: bool) -> str:
