@@ -90,11 +90,14 @@ def test_shipped_split_models_list_every_part_first_part_first():
 def test_repo_root_is_the_fallback_for_a_checkout(tmp_path, monkeypatch):
     # No package data (tmp_path has no models.toml), as in an editable install.
     monkeypatch.setattr(reg.importlib.resources, "files", lambda package: tmp_path)
-    root_file = Path(reg.__file__).resolve().parents[2] / "models.toml"
-    if not root_file.is_file():
-        pytest.skip("specli is installed from a wheel here, not run from a checkout")
-    assert root_file == REPO_ROOT / "models.toml"
-    assert load_registry().path == root_file
+    checkout_file = tmp_path / "checkout" / "models.toml"
+    checkout_file.parent.mkdir()
+    checkout_file.write_text((REPO_ROOT / "models.toml").read_text(encoding="utf-8"), encoding="utf-8")
+    monkeypatch.setattr(reg, "_checkout_registry_path", lambda: checkout_file)
+    assert load_registry().path == checkout_file
+    checkout_file.unlink()
+    with pytest.raises(RegistryError, match="model registry not found"):
+        load_registry()
 
 
 def test_package_data_wins_over_repo_root(tmp_path, monkeypatch):

@@ -72,7 +72,7 @@ def run(
 ) -> int:
     """Generate a continuation of PROMPT, streamed to stdout, with live stats on stderr."""
     from .llama import init_backend
-    from .ui import LiveStatus, TextOutput, low_acceptance_warning, status_text, stderr_console, summary_line
+    from .ui import low_acceptance_warning, stderr_console, stream_generation, summary_line
 
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1, got {threads}")
@@ -94,27 +94,11 @@ def run(
         prompt_ids = model_tgt.tokenize(text, add_bos=model_tgt.vocab_info().add_bos)
         gen = loaded.decoder.generate(prompt_ids, max_tokens=max_tokens)
         with_drafting = the_plan.mode != "target-only"
-        live = LiveStatus(sys.stderr, sys.stdout, enabled=not quiet and not verbose)
-        out = TextOutput(sys.stdout, show_accept=show_accept)
-        printed = 0
-        exit_code = 0
-        try:
-            for step in gen:
-                live.clear()
-                if not json_out:
-                    out.write(step)
-                    live.note_text(step.text)
-                    printed += len(step.text)
-                live.show(status_text(gen.stats, with_drafting=with_drafting))
-        except KeyboardInterrupt:
-            gen.interrupt()
-            exit_code = EXIT_INTERRUPTED
-        live.clear()
-        if not json_out:
-            out.write_text(gen.text[printed:])  # text held back for an incomplete character
-            if gen.text and not gen.text.endswith("\n") and sys.stdout.isatty():
-                out.write_text("\n")
-        else:
+        interrupted = stream_generation(
+            gen, sys.stdout, sys.stderr, show_text=not json_out, live=not quiet and not verbose,
+            show_accept=show_accept, with_drafting=with_drafting,
+        )
+        if json_out:
             print(json.dumps(_result_json(gen, the_plan), ensure_ascii=False))
             sys.stdout.flush()
         if not quiet:
@@ -122,7 +106,7 @@ def run(
             warning = low_acceptance_warning(gen.stats) if with_drafting else None
             if warning:
                 print(warning, file=sys.stderr)
-        return exit_code
+        return EXIT_INTERRUPTED if interrupted else 0
     finally:
         loaded.close()
 

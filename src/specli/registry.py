@@ -139,6 +139,11 @@ def load_registry(path: Path | None = None) -> Registry:
     return parse_registry(text, label, path=path)
 
 
+def _checkout_registry_path() -> Path:
+    """models.toml at the root of a source checkout (src/specli/registry.py -> ../../)."""
+    return Path(__file__).resolve().parents[2] / REGISTRY_FILE
+
+
 def _read_shipped() -> tuple[str, str, Path | None]:
     """Return (text, label, path) of the shipped models.toml; RegistryError if absent."""
     # Package data: present in a wheel install (hatch force-include), absent in a checkout.
@@ -149,7 +154,7 @@ def _read_shipped() -> tuple[str, str, Path | None]:
             return resource.read_text(encoding="utf-8"), REGISTRY_FILE, local
     except (ModuleNotFoundError, OSError):
         pass
-    root_file = Path(__file__).resolve().parents[2] / REGISTRY_FILE
+    root_file = _checkout_registry_path()
     try:
         return root_file.read_text(encoding="utf-8"), REGISTRY_FILE, root_file
     except OSError:

@@ -16,7 +16,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.text import Text
 
-from .engine import Step
+from .engine import Generation, Step
 from .stats import Stats
 
 ACCEPTED_STYLE = "cyan"  # --show-accept: tokens that came from accepted drafts
@@ -184,3 +184,38 @@ def low_acceptance_warning(stats: Stats) -> str | None:
 
 def stderr_console() -> Console:
     return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+
+def stream_generation(
+    gen: Generation,
+    out: TextIO,
+    err: TextIO,
+    *,
+    show_text: bool,
+    live: bool,
+    show_accept: bool,
+    with_drafting: bool,
+) -> bool:
+    """Run `gen` to the end, streaming its text to `out` (if show_text) and a live status line
+    to `err` (if live and a terminal). Returns True when Ctrl-C stopped it (text so far kept)."""
+    status = LiveStatus(err, out, enabled=live)
+    text_out = TextOutput(out, show_accept=show_accept)
+    printed = 0
+    interrupted = False
+    try:
+        for step in gen:
+            status.clear()
+            if show_text:
+                text_out.write(step)
+                status.note_text(step.text)
+                printed += len(step.text)
+            status.show(status_text(gen.stats, with_drafting=with_drafting))
+    except KeyboardInterrupt:
+        gen.interrupt()
+        interrupted = True
+    status.clear()
+    if show_text:
+        text_out.write_text(gen.text[printed:])  # text held back for an incomplete character
+        if gen.text and not gen.text.endswith("\n") and out.isatty():
+            text_out.write_text("\n")  # leave the shell prompt on a line of its own
+    return interrupted
