@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-JSON_KEYS = {"text", "token_ids", "n_tokens", "stop_reason", "target", "draft", "n_draft", "stats"}
+JSON_KEYS = {"text", "token_ids", "n_tokens", "stop_reason", "target", "draft", "n_draft", "sampling", "seed", "stats"}
 STATS_KEYS = {
     "drafted", "accepted", "acceptance_rate", "target_passes", "mean_tokens_per_pass",
     "tokens_per_s", "prompt_s", "draft_s", "verify_s", "wall_s",
@@ -38,8 +38,8 @@ def assert_one_line_error(result, exit_code: int, *fragments: str):
 
 def test_stdout_is_exactly_the_generated_text(pair_perturbed):
     target, draft = map(str, pair_perturbed)
-    plain = specli("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30")
-    as_json = specli("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30", "--json")
+    plain = specli("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30", "--seed", "5")
+    as_json = specli("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30", "--seed", "5", "--json")
     assert plain.returncode == 0 and as_json.returncode == 0, plain.stderr + as_json.stderr
     result = json.loads(as_json.stdout)
     assert plain.stdout == result["text"]
@@ -62,11 +62,27 @@ def test_json_has_every_field(pair_perturbed):
 
 def test_target_only_and_lookup_agree_and_label_the_draft(pair_perturbed):
     target = str(pair_perturbed[0])
-    base = json.loads(specli("run", "The cat", "-m", target, "--target-only", "--json", "--max-tokens", "25").stdout)
-    lookup = json.loads(specli("run", "The cat", "-m", target, "--lookup", "--json", "--max-tokens", "25").stdout)
+    greedy = ["--json", "--max-tokens", "25", "--temperature", "0"]
+    base = json.loads(specli("run", "The cat", "-m", target, "--target-only", *greedy).stdout)
+    lookup = json.loads(specli("run", "The cat", "-m", target, "--lookup", *greedy).stdout)
     assert base["draft"] is None and base["stats"]["drafted"] == 0
     assert lookup["draft"] == "lookup"
     assert lookup["token_ids"] == base["token_ids"]
+    assert base["sampling"]["greedy"] is True and base["seed"] is None
+
+
+def test_sampling_is_reproducible_from_the_reported_seed(pair_perturbed):
+    target, draft = map(str, pair_perturbed)
+    args = ("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30", "--json", "--temperature", "1.5")
+    first = json.loads(specli(*args).stdout)
+    assert first["sampling"] == {
+        "temperature": 1.5, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+        "repeat_penalty": 1.0, "repeat_last_n": 64, "greedy": False,
+    }
+    again = json.loads(specli(*args, "--seed", str(first["seed"])).stdout)
+    assert again["seed"] == first["seed"] and again["token_ids"] == first["token_ids"]
+    other_seeds = {tuple(json.loads(specli(*args, "--seed", str(s)).stdout)["token_ids"]) for s in range(4)}
+    assert len(other_seeds) > 1  # sampling really samples
 
 
 def test_quiet_prints_nothing_on_stderr(pair_perturbed):
@@ -77,8 +93,8 @@ def test_quiet_prints_nothing_on_stderr(pair_perturbed):
 @pytest.mark.parametrize("args", [["-"], []])
 def test_prompt_from_stdin(pair_perturbed, args):
     target = str(pair_perturbed[0])
-    piped = specli("run", *args, "-m", target, "--max-tokens", "10", "--json", stdin="Once upon a time")
-    direct = specli("run", "Once upon a time", "-m", target, "--max-tokens", "10", "--json")
+    piped = specli("run", *args, "-m", target, "--max-tokens", "10", "--json", "--seed", "1", stdin="Once upon a time")
+    direct = specli("run", "Once upon a time", "-m", target, "--max-tokens", "10", "--json", "--seed", "1")
     assert piped.returncode == 0, piped.stderr
     assert json.loads(piped.stdout)["token_ids"] == json.loads(direct.stdout)["token_ids"]
 
@@ -113,6 +129,17 @@ def test_empty_prompt(pair_perturbed):
 @pytest.mark.parametrize("n", ["0", "-3", "1000"])
 def test_draft_length_out_of_range(pair_perturbed, n):
     assert_one_line_error(specli("run", "hi", "-m", str(pair_perturbed[0]), "-n", n), 2, "-n must be between 1 and 64")
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--temperature", "-0.5", "--temperature must be"),
+    ("--top-p", "1.5", "--top-p must be in (0, 1]"),
+    ("--min-p", "1", "--min-p must be in [0, 1)"),
+    ("--repeat-penalty", "0", "--repeat-penalty must be"),
+    ("--top-k", "-1", "--top-k must be"),
+])
+def test_sampling_options_out_of_range(pair_perturbed, option, value, message):
+    assert_one_line_error(specli("run", "hi", "-m", str(pair_perturbed[0]), option, value), 2, message)
 
 
 def test_context_too_small_for_prompt(pair_perturbed):

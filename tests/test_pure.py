@@ -99,7 +99,7 @@ def test_lookup_copies_continuation_of_latest_longest_match():
     context = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
     drafter.begin(context)
     # [1, 2, 3] occurs at 0 and 5; the latest (5) is followed by 4, 5, 6.
-    assert drafter.propose(context, 3) == [4, 5, 6]
+    assert drafter.propose(context, 3).tokens == [4, 5, 6]
 
 
 def test_lookup_prefers_longer_key_over_more_recent_short_one():
@@ -107,24 +107,24 @@ def test_lookup_prefers_longer_key_over_more_recent_short_one():
     context = [7, 8, 9, 1, 5, 5, 9, 2, 7, 8, 9]
     drafter.begin(context)
     # The 3-gram [7, 8, 9] matches at 0 (continuation 1); the 1-gram [9] matches later at 6.
-    assert drafter.propose(context, 1) == [1]
+    assert drafter.propose(context, 1).tokens == [1]
 
 
 def test_lookup_without_match_proposes_nothing():
     drafter = PromptLookupDrafter(ngram_max=4, ngram_min=2)
     drafter.begin([1, 2, 3, 4])
-    assert drafter.propose([1, 2, 3, 4], 5) == []
+    assert drafter.propose([1, 2, 3, 4], 5).tokens == []
 
 
 def test_lookup_follows_a_growing_context_and_a_rewritten_one():
     drafter = PromptLookupDrafter(ngram_max=2, ngram_min=2)
     context = [5, 6, 7, 8]
     drafter.begin(context)
-    assert drafter.propose(context, 2) == []
+    assert drafter.propose(context, 2).tokens == []
     context += [5, 6]
-    assert drafter.propose(context, 2) == [7, 8]
+    assert drafter.propose(context, 2).tokens == [7, 8]
     # A context that is not an extension (e.g. a chat reset) rebuilds the index.
-    assert drafter.propose([1, 2, 3, 1, 2], 2) == [3, 1]
+    assert drafter.propose([1, 2, 3, 1, 2], 2).tokens == [3, 1]
 
 
 def test_lookup_matches_overlapping_repetition():
@@ -132,14 +132,14 @@ def test_lookup_matches_overlapping_repetition():
     context = [4, 4, 4, 4]
     drafter.begin(context)
     # The latest earlier [4, 4] (at 1) is followed by one 4; the loop continues past the end.
-    assert drafter.propose(context, 3) == [4, 4, 4]
+    assert drafter.propose(context, 3).tokens == [4, 4, 4]
 
 
 def test_lookup_continues_a_loop_with_its_period():
     drafter = PromptLookupDrafter(ngram_max=2, ngram_min=2)
     context = [1, 2, 3, 1, 2, 3, 1, 2]
     drafter.begin(context)
-    assert drafter.propose(context, 7) == [3, 1, 2, 3, 1, 2, 3]
+    assert drafter.propose(context, 7).tokens == [3, 1, 2, 3, 1, 2, 3]
 
 
 def test_common_prefix_len():

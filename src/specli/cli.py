@@ -5,6 +5,7 @@ Exit codes: 0 success, 1 runtime failure, 2 bad usage or input, 130 interrupted 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import typer
 from . import __version__
 from .errors import EXIT_RUNTIME, EXIT_USAGE, SpecliError, UsageError
 from .loading import ModelChoice, load, plan
+from .sampling import SamplingParams
 
 EXIT_INTERRUPTED = 130
 
@@ -69,6 +71,13 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr except errors."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log and tracebacks."),
     show_accept: bool = typer.Option(False, "--show-accept", help="On a terminal, colour text that came from accepted drafts."),
+    temperature: float = typer.Option(0.8, "--temperature", "--temp", help="Sampling temperature; 0 = greedy (deterministic)."),
+    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Keep the smallest set of tokens with this much probability (1 = off)."),
+    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens below this fraction of the best token's probability (0 = off)."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalise recently seen tokens (1 = off)."),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the repeat penalty looks at."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling (default: a fresh one, reported in --json)."),
 ) -> int:
     """Generate a continuation of PROMPT, streamed to stdout, with live stats on stderr."""
     from .llama import init_backend
@@ -78,8 +87,9 @@ def run(
         raise UsageError(f"--threads must be at least 1, got {threads}")
     if max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+    sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed).validate()
     text = _read_prompt(prompt)
-    choice = ModelChoice(model, draft, lookup, target_only, n_draft, ctx, ngl, draft_ngl, threads)
+    choice = ModelChoice(model, draft, lookup, target_only, n_draft, ctx, ngl, draft_ngl, threads, sampling)
     init_backend(verbose=verbose)
     the_plan = plan(choice)
 
@@ -120,8 +130,18 @@ def _result_json(gen, the_plan) -> dict:
         "target": str(the_plan.target_path),
         "draft": the_plan.draft_label,
         "n_draft": the_plan.n_draft if the_plan.mode != "target-only" else 0,
+        "sampling": sampling_json(the_plan.sampling),
+        "seed": gen.seed,
         "stats": gen.stats.to_dict(),
     }
+
+
+def sampling_json(sampling: SamplingParams) -> dict:
+    """The sampling settings as run (greedy runs report temperature 0 and nothing random)."""
+    fields = dataclasses.asdict(sampling)
+    fields.pop("seed")
+    fields["greedy"] = sampling.greedy
+    return fields
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,10 @@
 """Drafters: cheap proposers of the tokens the target is likely to produce next.
 
 Every drafter follows one small protocol (after HF transformers' candidate generators):
-- begin(prompt): called once before generation, e.g. to put the prompt into a draft model's cache;
-- propose(context, n_max): up to n_max tokens that might follow `context` (prompt + output so far);
+- begin(prompt, sampling, rng): called once before generation, e.g. to put the prompt into a
+  draft model's cache; `sampling` and `rng` are the run's (the draft samples like the target);
+- propose(context, n_max): a Proposal of up to n_max tokens that might follow `context`
+  (prompt + output so far), with the distributions q they were drawn from when there are any;
 - update(n_drafted, n_accepted): how the target judged the latest proposal.
 
 Drafters never see logits of the target and cannot change the output: only its speed.
@@ -10,19 +12,33 @@ Drafters never see logits of the target and cannot change the output: only its s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
 
 from .llama import LlamaModel
+from .sampling import GREEDY, SamplingParams, penalty_history, sample_from_logits
+
+
+@dataclass
+class Proposal:
+    """Draft tokens, and for sampled drafts the distribution q each was drawn from.
+
+    q_rows None means the drafter has no distribution (greedy drafts, prompt lookup): for
+    rejection sampling q is then one-hot on each drafted token.
+    """
+
+    tokens: list[int]
+    q_rows: list[np.ndarray] | None = None
 
 
 class Drafter(Protocol):
     name: str
 
-    def begin(self, prompt: Sequence[int]) -> None: ...
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, rng: np.random.Generator) -> None: ...
 
-    def propose(self, context: Sequence[int], n_max: int) -> list[int]: ...
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal: ...
 
     def update(self, n_drafted: int, n_accepted: int) -> None: ...
 
@@ -39,21 +55,31 @@ class DraftModelDrafter:
 
     def __init__(self, model_dft: LlamaModel):
         self.model_dft = model_dft
+        self.sampling = GREEDY
+        self.rng = np.random.default_rng(0)
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
+        self.sampling = sampling
+        self.rng = rng if rng is not None else np.random.default_rng(0)
         self.model_dft.sync(prompt)
 
-    def propose(self, context: Sequence[int], n_max: int) -> list[int]:
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
         if n_max <= 0:
-            return []
+            return Proposal([])
         logits = self.model_dft.sync(context)
-        draft: list[int] = []
+        tokens: list[int] = []
+        q_rows: list[np.ndarray] | None = None if self.sampling.greedy else []
         while True:
-            token = int(np.argmax(logits[-1]))
-            draft.append(token)
+            if q_rows is None:
+                token = int(np.argmax(logits[-1]))
+            else:
+                history = penalty_history(self.sampling, context, tokens)
+                token, q = sample_from_logits(logits[-1], self.sampling, history, self.rng)
+                q_rows.append(q)
+            tokens.append(token)
             # The last draft token is not evaluated: only the target's verdict says if it stays.
-            if len(draft) == n_max or self.model_dft.is_eog(token):
-                return draft
+            if len(tokens) == n_max or self.model_dft.is_eog(token):
+                return Proposal(tokens, q_rows)
             logits = self.model_dft.eval([token], logits="last")
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
@@ -84,7 +110,7 @@ class PromptLookupDrafter:
         self._latest: dict[int, dict[tuple[int, ...], int]] = {}
         self._indexed_end = 0  # n-grams ending at or before this index are in _latest
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
         self._reset(prompt)
 
     def _reset(self, context: Sequence[int]) -> None:
@@ -109,16 +135,16 @@ class PromptLookupDrafter:
                     table[tuple(tokens[end - n : end])] = end - n
         self._indexed_end = max(self._indexed_end, end_limit)
 
-    def propose(self, context: Sequence[int], n_max: int) -> list[int]:
+    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
         if n_max <= 0:
-            return []
+            return Proposal([])
         self._follow(context)
         tokens = self._tokens
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
             start = self._latest[n].get(tuple(tokens[-n:]))
             if start is not None:
-                return _continue_periodically(tokens, start + n, n_max)
-        return []
+                return Proposal(_continue_periodically(tokens, start + n, n_max))
+        return Proposal([])
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
         pass

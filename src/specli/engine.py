@@ -19,12 +19,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from .drafters import Drafter
+import numpy as np
+
+from .drafters import Drafter, Proposal
 from .errors import UsageError
 from .llama import LlamaModel, common_prefix_len
+from .sampling import GREEDY, SamplingParams, penalty_history, probabilities, verify_sampled
 from .stats import Stats
 from .text import TextStream
-from .verify import verify_greedy
+from .verify import Verdict, verify_greedy
 
 STOP_EOS = "eos"
 STOP_MAX_TOKENS = "max_tokens"
@@ -55,6 +58,7 @@ class Generation:
     """A generation in progress or finished. Iterate to advance it."""
 
     prompt_ids: list[int]
+    seed: int | None = None  # the seed of this run's random draws (None when greedy)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     stop_reason: str | None = None
@@ -85,18 +89,23 @@ class Generation:
 
 
 class SpeculativeDecoder:
-    """Greedy speculative decoding with one target model and an optional drafter.
+    """Speculative decoding with one target model and an optional drafter.
 
     With no drafter (target-only) each pass evaluates just `last`: plain decoding through the
-    very same loop, the baseline every comparison uses.
+    very same loop, the baseline every comparison uses. Greedy sampling (temperature 0) accepts
+    drafts that equal the target's argmax; otherwise drafts go through rejection sampling, which
+    keeps the output distributed exactly as the target's own sampling.
     """
 
-    def __init__(self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int):
+    def __init__(
+        self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int, sampling: SamplingParams = GREEDY
+    ):
         if drafter is not None and not 1 <= n_draft <= MAX_DRAFT:
             raise UsageError(f"-n must be between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
         self.model_tgt = model_tgt
         self.drafter = drafter
         self.n_draft = n_draft if drafter is not None else 0
+        self.sampling = sampling.validate()
 
     def generate(self, prompt_ids: Sequence[int], *, max_tokens: int) -> Generation:
         """Start generating after `prompt_ids` (which must include BOS if the model wants it)."""
@@ -110,7 +119,11 @@ class SpeculativeDecoder:
             raise UsageError(
                 f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}; raise -c above {len(prompt)}"
             )
-        gen = Generation(prompt_ids=prompt, _stream=TextStream(self.model_tgt.piece))
+        seed = None
+        if not self.sampling.greedy:
+            # A fresh seed is drawn when none is given, and reported, so any run can be replayed.
+            seed = self.sampling.seed if self.sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
+        gen = Generation(prompt_ids=prompt, seed=seed, _stream=TextStream(self.model_tgt.piece))
         gen._steps = self._steps(gen, max_tokens)
         return gen
 
@@ -123,8 +136,9 @@ class SpeculativeDecoder:
         reused = common_prefix_len(model_tgt.cached, context[:-1])
         model_tgt.truncate(reused)
         model_tgt.eval(context[reused:-1], logits="none")
+        rng = np.random.default_rng(gen.seed)
         if drafter is not None:
-            drafter.begin(context)
+            drafter.begin(context, self.sampling, rng)
         stats.prompt_tokens = len(context)
         stats.prompt_s = time.perf_counter() - t0
 
@@ -142,11 +156,13 @@ class SpeculativeDecoder:
             k = min(self.n_draft, remaining - 1, room - 1)
 
             t_draft = time.perf_counter()
-            draft = drafter.propose(context, k)[:k] if (drafter is not None and k > 0) else []
+            proposal = drafter.propose(context, k) if (drafter is not None and k > 0) else Proposal([])
+            draft = proposal.tokens
+            assert len(draft) <= k
             t_verify = time.perf_counter()
             assert len(model_tgt.cached) == len(context) - 1
             logits_tgt = model_tgt.eval([context[-1], *draft], logits="all")
-            verdict = verify_greedy(logits_tgt, draft)
+            verdict = self._verify(logits_tgt, proposal, context, rng)
             # Keep the cache = context before the new `last` (the target's own token).
             model_tgt.truncate(len(context) + verdict.n_accepted)
             if drafter is not None and draft:
@@ -175,3 +191,30 @@ class SpeculativeDecoder:
             if stop is not None:
                 return
 
+    def _verify(self, logits_tgt: np.ndarray, proposal: Proposal, context: list[int], rng) -> Verdict:
+        """Greedy: exact match against the argmax. Sampling: rejection sampling against p."""
+        if self.sampling.greedy:
+            return verify_greedy(logits_tgt, proposal.tokens)
+        p_rows = TargetRows(logits_tgt, self.sampling, context, proposal.tokens)
+        return verify_sampled(p_rows, proposal.q_rows, proposal.tokens, rng)
+
+
+class TargetRows:
+    """The target's distributions p for each position of a pass, computed only when read.
+
+    Row i is for the token after context + draft[:i]; its repetition penalty sees exactly that
+    history, as plain decoding would have. Rejection stops at the first rejected draft, so later
+    rows are usually never computed.
+    """
+
+    def __init__(self, logits_tgt: np.ndarray, sampling: SamplingParams, context: list[int], draft: list[int]):
+        self._logits = logits_tgt
+        self._sampling = sampling
+        self._context = context
+        self._draft = draft
+
+    def __len__(self) -> int:
+        return len(self._draft) + 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return probabilities(self._logits[i], self._sampling, penalty_history(self._sampling, self._context, self._draft[:i]))

@@ -14,6 +14,7 @@ from .engine import MAX_DRAFT, SpeculativeDecoder
 from .errors import UsageError
 from .llama import LlamaModel, validate_ctx
 from .registry import RegistryEntry, load_registry, resolve_model_arg, resolve_source
+from .sampling import GREEDY, SamplingParams
 
 LOOKUP = "lookup"
 
@@ -31,6 +32,7 @@ class ModelChoice:
     ngl: int = -1
     draft_ngl: int = -1
     threads: int | None = None
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Plan:
     mode: str  # "draft-model", "lookup" or "target-only"
     n_draft: int
     entry: RegistryEntry | None
+    sampling: SamplingParams = GREEDY
 
     @property
     def draft_label(self) -> str | None:
@@ -99,7 +102,7 @@ def plan(choice: ModelChoice) -> Plan:
         n_draft = (entry.n_speculative if entry is not None and entry.n_speculative else None) or 5
     if not 1 <= n_draft <= MAX_DRAFT:
         raise UsageError(f"-n must be between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
-    return Plan(target_path, draft_path, mode, n_draft, entry)
+    return Plan(target_path, draft_path, mode, n_draft, entry, choice.sampling)
 
 
 def load(p: Plan, choice: ModelChoice) -> Loaded:
@@ -123,7 +126,7 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
             drafter = DraftModelDrafter(model_dft)
         elif p.mode == LOOKUP:
             drafter = PromptLookupDrafter()
-        decoder = SpeculativeDecoder(model_tgt, drafter, p.n_draft)
+        decoder = SpeculativeDecoder(model_tgt, drafter, p.n_draft, p.sampling)
     except BaseException:
         if model_dft is not None:
             model_dft.close()
