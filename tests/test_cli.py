@@ -204,3 +204,17 @@ def test_ctrl_c_keeps_the_text_and_exits_130(gemma_path):
     assert b"stop: interrupted" in err
     assert len(first + rest) >= 20  # the text streamed before Ctrl-C stays
     (first + rest).decode("utf-8")  # and is whole UTF-8
+
+
+def test_no_arguments_prints_the_help():
+    result = specli()
+    assert result.returncode == 0 and "run" in result.stdout and result.stderr == ""
+
+
+def test_prompt_on_stdin_must_be_utf8(pair_perturbed):
+    result = subprocess.run(
+        [sys.executable, "-m", "specli", "run", "-", "-m", str(pair_perturbed[0])],
+        input=b"caf\xe9 latin-1", capture_output=True, timeout=60,
+    )
+    assert result.returncode == 2 and result.stdout == b""
+    assert result.stderr.decode().count("\n") == 1 and "not UTF-8" in result.stderr.decode()

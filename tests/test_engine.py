@@ -197,3 +197,17 @@ def test_recurrent_target_is_refused(fixture_dir):
     choice = ModelChoice(model=str(path), lookup=True, n_ctx=128)
     with pytest.raises(UsageError, match="recurrent or hybrid"):
         load_plan(plan(choice), choice)
+
+
+def test_greedy_with_repeat_penalty_is_exact_and_applies_the_penalty(perturbed):
+    from specli.sampling import SamplingParams
+
+    model_tgt, model_dft = perturbed
+    ids = model_tgt.tokenize(PROMPTS[2])
+    penalized = SamplingParams(temperature=0.0, repeat_penalty=1.5, repeat_last_n=64)
+    plain = target_only(model_tgt, ids, max_tokens=60)
+    reference = SpeculativeDecoder(model_tgt, None, 0, penalized).generate(ids, max_tokens=60).run()
+    for drafter in (DraftModelDrafter(model_dft), PromptLookupDrafter(ngram_max=3, ngram_min=1)):
+        gen = SpeculativeDecoder(model_tgt, drafter, 4, penalized).generate(ids, max_tokens=60).run()
+        assert gen.token_ids == reference.token_ids
+    assert reference.token_ids != plain.token_ids  # the penalty really changed the choices

@@ -295,7 +295,7 @@ def test_unknown_name_lists_known_names():
         registry.get("llama-4")
     assert str(info.value) == (
         "unknown model 'llama-4'; known: gemma3-270m, llama-3.1-70b, qwen-2.5-72b, "
-        "mistral-large, command-r-plus, phi-3-medium (see `specli models`)"
+        "mistral-large, command-r-plus, phi-3-medium (see models.toml)"
     )
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import traceback
 from typing import Optional
@@ -26,7 +25,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
-    help="Speculative decoding for local GGUF models: same output as the target model, sooner.",
+    help="Speculative decoding for local GGUF models: the target model's output (greedy, or its sampling distribution), sooner.",
 )
 
 
@@ -44,11 +43,18 @@ def _root(
 
 
 def _read_prompt(prompt: Optional[str]) -> str:
-    """The prompt argument, or stdin for '-' (or when omitted and stdin is piped)."""
+    """The prompt argument, or stdin for '-' (or when omitted and stdin is piped); UTF-8 only."""
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
             raise UsageError("no prompt given; pass one (specli run \"...\") or pipe it (echo ... | specli run -)")
-        prompt = sys.stdin.read()
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UsageError(f"the prompt on stdin is not UTF-8 text (bad byte at offset {err.start}); convert it first, e.g. with iconv") from None
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError("the prompt is not valid UTF-8 text; check your terminal's encoding") from None
     if not prompt.strip():
         raise UsageError("the prompt is empty; give some text for the model to continue")
     return prompt
@@ -113,7 +119,7 @@ def run(
             sys.stdout.flush()
         if not quiet:
             print(summary_line(gen.stats, stop_reason=gen.stop_reason, with_drafting=with_drafting), file=sys.stderr)
-            warning = low_acceptance_warning(gen.stats) if with_drafting else None
+            warning = low_acceptance_warning(gen.stats, lookup=the_plan.mode == "lookup") if with_drafting else None
             if warning:
                 print(warning, file=sys.stderr)
         return EXIT_INTERRUPTED if interrupted else 0
@@ -145,10 +151,17 @@ def sampling_json(sampling: SamplingParams) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: runs the app, turns every failure into one line on stderr and an exit code."""
-    verbose = "--verbose" in (argv or sys.argv) or "-v" in (argv or sys.argv)
+    """Entry point: runs the app, turns every failure into one line on stderr and an exit code.
+
+    (Typer itself turns Ctrl-C during option parsing or loading into exit 130, and a closed
+    stdout pipe into exit 1.)
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        args = ["--help"]  # `specli` alone: the help, not an error
+    verbose = "--verbose" in args or "-v" in args
     try:
-        code = app(args=argv, standalone_mode=False, prog_name="specli")
+        code = app(args=args, standalone_mode=False, prog_name="specli")
         code = code if isinstance(code, int) else 0
     except SpecliError as err:
         if verbose:
@@ -158,11 +171,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specli: interrupted", file=sys.stderr)
         code = EXIT_INTERRUPTED
-    except BrokenPipeError:
-        # The reader went away (e.g. `| head`): stop quietly, like other Unix tools.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        code = EXIT_RUNTIME
     except Exception as err:
         if _is_click_error(err):
             print(f"specli: error: {_click_message(err)}", file=sys.stderr)

@@ -24,7 +24,7 @@ import numpy as np
 from .drafters import Drafter, Proposal
 from .errors import UsageError
 from .llama import LlamaModel, common_prefix_len
-from .sampling import GREEDY, SamplingParams, penalty_history, probabilities, verify_sampled
+from .sampling import GREEDY, SamplingParams, penalized_row, penalty_history, probabilities, verify_sampled
 from .stats import Stats
 from .text import TextStream
 from .verify import Verdict, verify_greedy
@@ -175,13 +175,13 @@ class SpeculativeDecoder:
                 if model_tgt.is_eog(token):
                     emitted, stop = emitted[:i], STOP_EOS
                     break
-            context.extend(verdict.tokens)
-            gen.token_ids.extend(emitted)
-            n_from_draft = min(verdict.n_accepted, len(emitted))
+            n_from_draft = min(verdict.n_accepted, len(emitted))  # drafts past an EOS don't count
             text_drafted = gen._stream.feed(emitted[:n_from_draft])
             text_own = gen._stream.feed(emitted[n_from_draft:])
+            context.extend(verdict.tokens)
+            gen.token_ids.extend(emitted)
             gen.text += text_drafted + text_own
-            stats.record_step(len(draft), verdict.n_accepted, len(emitted))
+            stats.record_step(len(draft), n_from_draft, len(emitted))
             stats.draft_s += t_verify - t_draft
             stats.verify_s += t_done - t_verify
             stats.generation_s = time.perf_counter() - t_gen
@@ -194,6 +194,9 @@ class SpeculativeDecoder:
     def _verify(self, logits_tgt: np.ndarray, proposal: Proposal, context: list[int], rng) -> Verdict:
         """Greedy: exact match against the argmax. Sampling: rejection sampling against p."""
         if self.sampling.greedy:
+            if penalty_history(self.sampling, context):  # the penalty changes the argmax
+                rows = [penalized_row(logits_tgt[i], self.sampling, context, proposal.tokens[:i]) for i in range(len(logits_tgt))]
+                logits_tgt = np.stack(rows)
             return verify_greedy(logits_tgt, proposal.tokens)
         p_rows = TargetRows(logits_tgt, self.sampling, context, proposal.tokens)
         return verify_sampled(p_rows, proposal.q_rows, proposal.tokens, rng)

@@ -284,12 +284,13 @@ class LlamaModel:
         if logits == "last":
             batch.logits[n - 1] = True
         status = llama_cpp.llama_decode(self._ctx, batch)
-        if status != 0:
-            # The cache may hold part of the chunk now: drop it so `cached` stays true.
-            self._remove_from(pos0)
+        if status == 0:
+            self.cached.extend(chunk)
+        else:
             reason = _last_native_error() or f"llama_decode returned {status}"
+            # The cache may hold part of the chunk now: drop it so `cached` stays true.
+            llama_cpp.llama_memory_seq_rm(self._memory, 0, pos0, -1)
             raise SpecliError(f"decoding failed at position {pos0}: {reason}")
-        self.cached.extend(chunk)
         return n if logits == "all" else (1 if logits == "last" else 0)
 
     def truncate(self, n_keep: int) -> None:

@@ -33,7 +33,7 @@ DEMO_EXTRA_HINT = (
     "or from a checkout: pip install '.[demo]'"
 )
 
-# Optional integer facts a source may carry, for `specli fit`; each must be >= 1.
+# Optional integer facts a source may carry, for the planned `specli fit`; each must be >= 1.
 FACT_KEYS = ("size_bytes", "n_layer", "n_head_kv", "head_dim", "n_ctx_train", "n_vocab")
 _SOURCE_KEYS = frozenset(("package", "hf_repo", "hf_file", *FACT_KEYS))
 _ENTRY_KEYS = frozenset(("description", "target", "draft", "acceptance", "n_speculative"))
@@ -109,7 +109,7 @@ class Registry:
         except KeyError:
             known = ", ".join(self.entries)
             raise RegistryError(
-                f"unknown model {name!r}; known: {known} (see `specli models`)"
+                f"unknown model {name!r}; known: {known} (see models.toml)"
             ) from None
 
 

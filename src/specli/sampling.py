@@ -157,6 +157,16 @@ def probabilities(logits: np.ndarray, params: SamplingParams, history: Sequence[
     return probs
 
 
+def penalized_row(logits: np.ndarray, params: SamplingParams, context: Sequence[int], extra: Sequence[int] = ()) -> np.ndarray:
+    """logits after the repetition penalty for the token after context + extra (greedy path)."""
+    return _penalize(logits, params, penalty_history(params, context, extra))
+
+
+def greedy_choice(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> int:
+    """The temperature-0 token: argmax after the repetition penalty (llama.cpp applies it first)."""
+    return int(np.argmax(_penalize(logits, params, history)))
+
+
 def _penalize(row: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
     """row with the repetition penalty applied: a copy when anything changes, else row itself."""
     if params.repeat_penalty == 1.0 or params.repeat_last_n <= 0 or len(history) == 0:

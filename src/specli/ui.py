@@ -19,7 +19,7 @@ from rich.text import Text
 from .engine import Generation, Step
 from .stats import Stats
 
-ACCEPTED_STYLE = "cyan"  # --show-accept: tokens that came from accepted drafts
+ACCEPTED_SGR, RESET_SGR = "\x1b[36m", "\x1b[39m"  # --show-accept: text from accepted drafts in cyan
 LOW_ACCEPTANCE = 0.5  # below this, drafting likely costs more than it saves
 
 
@@ -33,14 +33,12 @@ class TextOutput:
 
     def __init__(self, stream: TextIO, *, show_accept: bool):
         self.stream = stream
-        self._console = None
-        if show_accept and color_allowed(stream):
-            self._console = Console(file=stream, highlight=False, soft_wrap=True, emoji=False, markup=False)
+        self.colour = show_accept and color_allowed(stream)
 
     def write(self, step: Step) -> None:
-        if self._console is not None and step.text_drafted:
-            self._console.print(Text(step.text_drafted, style=ACCEPTED_STYLE), end="")
-            self.stream.write(step.text_own)
+        if self.colour and step.text_drafted:
+            # Raw SGR codes around the raw text: tabs and carriage returns stay as generated.
+            self.stream.write(ACCEPTED_SGR + step.text_drafted + RESET_SGR + step.text_own)
         else:
             self.stream.write(step.text)
         self.stream.flush()
@@ -171,15 +169,17 @@ def summary_line(stats: Stats, *, stop_reason: str | None, with_drafting: bool) 
     return " · ".join(parts)
 
 
-def low_acceptance_warning(stats: Stats) -> str | None:
+def low_acceptance_warning(stats: Stats, *, lookup: bool) -> str | None:
     """The seed guide's advice when drafting mostly fails, or None."""
     rate = stats.acceptance_rate
     if rate is None or rate >= LOW_ACCEPTANCE or stats.drafted < 8:
         return None
-    return (
-        f"warning: only {rate:.0%} of drafted tokens were accepted (below {LOW_ACCEPTANCE:.0%}); "
-        "reduce -n or pick a better-matched draft model"
+    advice = (
+        "reduce -n, or use a draft model (-d); lookup drafts only pay where the output repeats the input"
+        if lookup
+        else "reduce -n or pick a better-matched draft model"
     )
+    return f"warning: only {rate:.0%} of drafted tokens were accepted (below {LOW_ACCEPTANCE:.0%}); {advice}"
 
 
 def stderr_console() -> Console:
@@ -206,9 +206,9 @@ def stream_generation(
         for step in gen:
             status.clear()
             if show_text:
+                printed += len(step.text)  # counted first: a Ctrl-C mid-write must not print it twice
                 text_out.write(step)
                 status.note_text(step.text)
-                printed += len(step.text)
             status.show(status_text(gen.stats, with_drafting=with_drafting))
     except KeyboardInterrupt:
         gen.interrupt()
