@@ -6,7 +6,9 @@ decoding, same thread count. Absolute tok/s on a shared 2-core box are noisy; wh
 is each side's *speedup* over its own plain decoding, and the ratio of the two speedups.
 
 Configurations, per prompt (all interleaved across `--repeat` rounds, order rotated per
-round, so that load spikes hit every configuration alike):
+round, so that load spikes hit every configuration alike; the table shows the best round,
+since interference only ever slows a run down). Everything is greedy: specli gets
+`--temperature 0` (its default samples at 0.8), llama.cpp gets `--temp 0`.
 
 - specli plain:   `specli run --target-only --json ...`
 - specli lookup:  `specli run --lookup -n N --json ...`               (one per N)
@@ -205,8 +207,9 @@ def search(pattern: str, text: str, what: str) -> re.Match:
 def specli_cmd(prompt: str, args: argparse.Namespace, n_draft: int | None) -> list[str]:
     """`specli run` as the benchmark calls it: plain when n_draft is None, else lookup."""
     mode = ["--target-only"] if n_draft is None else ["--lookup", "-n", str(n_draft)]
+    # --temperature 0: specli samples at 0.8 by default; the comparison is greedy on both sides.
     return [
-        *args.specli, "run", "-m", str(args.model), *mode, "--json", "--quiet",
+        *args.specli, "run", "-m", str(args.model), *mode, "--temperature", "0", "--json", "--quiet",
         "--max-tokens", str(args.max_tokens), "--threads", str(args.threads), "-c", str(args.ctx),
         prompt,
     ]  # fmt: skip
@@ -220,6 +223,9 @@ def run_specli(config: str, prompt_name: str, rnd: int, cmd: list[str]) -> Run:
     except json.JSONDecodeError as e:
         raise BenchError(f"specli printed no JSON ({e}):\n{proc.stdout[-1000:]}\n{proc.stderr[-1000:]}") from e
     stats = out["stats"]
+    # Guard against a specli whose defaults changed under us: the comparison must be greedy.
+    if out.get("sampling", {"greedy": True}).get("greedy") is not True:
+        raise BenchError(f"specli did not decode greedily (sampling: {out.get('sampling')}): {shell_join(cmd)}")
     return Run(
         config, prompt_name, rnd, cmd,
         tokens_per_s=stats["tokens_per_s"], n_tokens=out["n_tokens"],
@@ -419,20 +425,32 @@ def execute(job: Job, rnd: int, max_tokens: int) -> Run:
     return run_llama_bench(rnd, job.cmd, max_tokens)
 
 
-def run_all(jobs: list[Job], repeat: int, max_tokens: int, log) -> list[Run]:
-    """All jobs, `repeat` rounds; each round starts one job later so no config is always first."""
+def run_all(jobs: list[Job], repeat: int, max_tokens: int, log) -> tuple[list[Run], list[str]]:
+    """All jobs, `repeat` rounds; each round starts one job later so no config is always first.
+
+    A failing run is logged and skipped, not fatal: one crash (e.g. a half-edited src/ tree)
+    should not throw away minutes of measurements; the table shows '-' where data is missing.
+    """
     runs: list[Run] = []
-    total = len(jobs) * repeat
+    failures: list[str] = []
+    total, done = len(jobs) * repeat, 0
     for rnd in range(repeat):
         shift = rnd % len(jobs)
         for job in jobs[shift:] + jobs[:shift]:
             t0 = time.perf_counter()
-            run = execute(job, rnd, max_tokens)
+            done += 1
+            try:
+                run = execute(job, rnd, max_tokens)
+            except (BenchError, subprocess.TimeoutExpired, ValueError, KeyError) as e:
+                failures.append(f"round {rnd + 1} {job.prompt}/{job.config}: {e}")
+                log(f"[{done:3d}/{total}] round {rnd + 1} {job.prompt:8s} {job.config:22s}  FAILED: "
+                    f"{str(e).strip().splitlines()[-1][:150]}")  # fmt: skip
+                continue
             runs.append(run)
             tps = f"{run.tokens_per_s:7.1f} tok/s" if run.tokens_per_s else "      - tok/s"
-            log(f"[{len(runs):3d}/{total}] round {rnd + 1} {job.prompt:8s} {job.config:22s} {tps}"
+            log(f"[{done:3d}/{total}] round {rnd + 1} {job.prompt:8s} {job.config:22s} {tps}"
                 f"  ({time.perf_counter() - t0:4.1f}s)")  # fmt: skip
-    return runs
+    return runs, failures
 
 
 def warm_up(args: argparse.Namespace) -> None:
@@ -446,14 +464,15 @@ def warm_up(args: argparse.Namespace) -> None:
 # Aggregation and the table
 
 
-def median(values: list[float | None]) -> float | None:
-    """Median over rounds, ignoring missing values (robust to one noisy round when R >= 3)."""
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
+def best(values: list[float]) -> float | None:
+    """Best (highest) tok/s over rounds. Interference from other processes only ever slows a
+    run down, so on a shared box the fastest round is the least disturbed estimate; with the
+    default 2 rounds a median would just average a clean round with a disturbed one."""
+    return max(values) if values else None
 
 
 def summarize_runs(runs: list[Run]) -> dict[tuple[str, str], dict]:
-    """(prompt, config) -> median tok/s, spread, token counts, acceptance, text."""
+    """(prompt, config) -> best and median tok/s, all rounds, token counts, acceptance, text."""
     groups: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
         groups.setdefault((run.prompt, run.config), []).append(run)
@@ -463,7 +482,8 @@ def summarize_runs(runs: list[Run]) -> dict[tuple[str, str], dict]:
         drafted = sum(r.drafted or 0 for r in rs)
         accepted = sum(r.accepted or 0 for r in rs)
         out[key] = {
-            "tokens_per_s": median(tps),
+            "tokens_per_s": best(tps),
+            "tokens_per_s_median": statistics.median(tps) if tps else None,
             "tokens_per_s_all": tps,
             "n_tokens": sorted({r.n_tokens for r in rs if r.n_tokens is not None}),
             "acceptance": accepted / drafted if drafted else None,
@@ -474,31 +494,44 @@ def summarize_runs(runs: list[Run]) -> dict[tuple[str, str], dict]:
     return out
 
 
+# What build_rows sees for a configuration whose every run failed.
+NO_DATA = {"tokens_per_s": None, "tokens_per_s_all": [], "n_tokens": [], "acceptance": None,
+           "drafted": 0, "accepted": 0, "text": None}  # fmt: skip
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """a / b, or None when either is missing."""
     return a / b if a is not None and b else None
 
 
-def same_text(a: str | None, b: str | None) -> str:
-    """'yes' if the two greedy outputs agree (one a prefix of the other), else where they part."""
-    if a is None or b is None:
+def divergence(a: str | None, b: str | None) -> int | None:
+    """Index of the first differing character; None when one text is a prefix of the other."""
+    n = min(len(a or ""), len(b or ""))
+    return next((i for i in range(n) if a[i] != b[i]), None)
+
+
+def same_text(reference: str | None, others: dict[str, str | None]) -> str:
+    """'yes' when every greedy output agrees with specli plain's (up to the shorter one),
+    else which ones part and at which character: greedy decoding and a lossless drafter
+    should give the same text, small numeric differences between batch shapes aside."""
+    if reference is None or any(t is None for t in others.values()):
         return "?"
-    n = min(len(a), len(b))
-    i = next((i for i in range(n) if a[i] != b[i]), n)
-    return "yes" if i == n else f"no@{i}"
+    parted = {label: divergence(reference, t) for label, t in others.items()}
+    diffs = [f"{label}@{i}" for label, i in parted.items() if i is not None]
+    return "yes" if not diffs else " ".join(diffs)
 
 
 def build_rows(summary: dict, args: argparse.Namespace) -> list[dict]:
     """One row per (prompt, N, native variant): specli N against native default and m=N."""
     rows = []
     for name in args.prompts:
-        s_plain = summary[(name, "specli plain")]
-        n_plain = summary[(name, "native plain")]
+        s_plain = summary.get((name, "specli plain"), NO_DATA)
+        n_plain = summary.get((name, "native plain"), NO_DATA)
         for n in args.n:
-            s_look = summary[(name, f"specli lookup n={n}")]
+            s_look = summary.get((name, f"specli lookup n={n}"), NO_DATA)
             matched = (f"native ngram m={n}", f"n={matched_key(n)},m={n}")
             for variant, label in (matched, ("native ngram default", NATIVE_DEFAULT_SIZES)):
-                n_look = summary[(name, variant)]
+                n_look = summary.get((name, variant), NO_DATA)
                 s_speed = ratio(s_look["tokens_per_s"], s_plain["tokens_per_s"])
                 n_speed = ratio(n_look["tokens_per_s"], n_plain["tokens_per_s"])
                 rows.append({
@@ -510,9 +543,10 @@ def build_rows(summary: dict, args: argparse.Namespace) -> list[dict]:
                     "native_speedup": n_speed, "native_acceptance": n_look["acceptance"],
                     "native_drafted": n_look["drafted"], "native_accepted": n_look["accepted"],
                     "speedup_ratio": ratio(s_speed, n_speed),
-                    "tokens": {c: summary[(name, c)]["n_tokens"] for c in
+                    "tokens": {c: summary.get((name, c), NO_DATA)["n_tokens"] for c in
                                ("specli plain", f"specli lookup n={n}", "native plain", variant)},
-                    "same_output": same_text(s_look["text"], n_look["text"]),
+                    "same_output": same_text(s_plain["text"], {"s-lookup": s_look["text"],
+                                                               "n-plain": n_plain["text"], "n-ngram": n_look["text"]}),
                 })  # fmt: skip
     return rows
 
@@ -532,7 +566,18 @@ def fmt_tokens(counts: dict[str, list[int]]) -> str:
     if len(distinct) == 1:
         return str(distinct[0])
     flag = "!" if distinct[-1] - distinct[0] > 1 else ""
-    return flag + "/".join(",".join(map(str, cs)) for cs in counts.values())
+    return flag + "/".join(",".join(map(str, cs)) or "-" for cs in counts.values())
+
+
+def noisy_configs(summary: dict, tolerance: float = 0.15) -> list[str]:
+    """Configs whose rounds differ by more than `tolerance` (slowest vs fastest): the
+    numbers to distrust, or a hint to rerun with more --repeat."""
+    out = []
+    for (prompt, config), s in summary.items():
+        tps = s["tokens_per_s_all"]
+        if len(tps) > 1 and min(tps) < (1 - tolerance) * max(tps):
+            out.append(f"{prompt}/{config} " + ",".join(f"{v:.0f}" for v in tps))
+    return out
 
 
 def print_table(rows: list[dict], summary: dict, args: argparse.Namespace, load: tuple) -> None:
@@ -543,7 +588,7 @@ def print_table(rows: list[dict], summary: dict, args: argparse.Namespace, load:
     console = Console(width=None if sys.stdout.isatty() else 200)
     table = Table(
         title=f"specli --lookup vs llama.cpp ngram-simple · Gemma 3 270M Q4_K_M · {args.max_tokens} tokens, "
-        f"greedy, -t {args.threads}, -c {args.ctx}, median of {args.repeat} rounds · tok/s",
+        f"greedy, -t {args.threads}, -c {args.ctx}, best of {args.repeat} rounds · tok/s",
     )
     cols = ["prompt", "N", "native ngram", "specli plain", "specli lookup", "specli ×", "specli acc",
             "native plain", "native ngram", "native ×", "native acc", "specli× / native×", "tokens", "same text"]  # fmt: skip
@@ -571,15 +616,20 @@ def print_table(rows: list[dict], summary: dict, args: argparse.Namespace, load:
             lines.append(f"  llama-completion '{name}': {fmt(comp['tokens_per_s'])} tok/s (eval compute only, "
                          f"{','.join(map(str, comp['n_tokens']))} evals)")  # fmt: skip
     lines += [
-        "speed = generated tokens / generation time on both sides (prompt processing and model load excluded).",
+        "speed = generated tokens / generation time on both sides (prompt processing and model load excluded), "
+        "best of the rounds.",
         "native plain = llama-speculative-simple with ngram-simple key n=1024 (never matches, never drafts).",
         "acc = accepted / drafted draft tokens (accepted/drafted per run in parentheses); specli× / native× > 1 "
         "means specli gains more over its own plain decoding than llama.cpp does.",
         "tokens: generated (timed) tokens, one number if every run agreed, else per config: specli plain / "
         "specli lookup / native plain / native ngram ('!' if they differ by more than 1).",
-        "same text: specli lookup output vs native ngram output ('no@K': they differ from character K).",
+        "same text: every output vs specli plain's; 'X@K': output X (s-lookup, n-plain, n-ngram) differs "
+        "from character K.",
         f"load average before/after: {load[0]} / {load[1]}  (machine: {platform.machine()}, {os.cpu_count()} cpus)",
     ]
+    noisy = noisy_configs(summary)
+    if noisy:
+        lines.append("rounds disagreeing by > 15% (best value used): " + "; ".join(noisy))
     for line in lines:
         console.print(line, highlight=False, soft_wrap=True)
 
@@ -612,6 +662,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated subset of: {', '.join(PROMPTS)}")
     p.add_argument("--native-dir", type=Path, default=DEFAULT_NATIVE_DIR,
                    help=f"where build_native.sh built llama.cpp (default {DEFAULT_NATIVE_DIR})")
+    p.add_argument("--specli", default=None,
+                   help="specli command to benchmark (default: `specli` on PATH, else python -m specli)")
     p.add_argument("--model", type=Path, default=None, help="GGUF to use (default: the embedded Gemma 3 270M Q4_K_M)")
     p.add_argument("--bench-reps", type=int, default=3, help="llama-bench -r (default 3)")
     p.add_argument("--no-completion", action="store_true", help="skip the llama-completion yardstick")
@@ -625,6 +677,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.max_tokens < 2:
         p.error("--max-tokens must be at least 2")
     return args
+
+
+def specli_version() -> str:
+    """Which specli was measured: the git commit of this checkout, '+dirty' when src/ has
+    uncommitted edits (others work on it concurrently, so say exactly what ran)."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", "src"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{head}{'+dirty src/' if dirty else ''}"  # fmt: skip
 
 
 def find_specli() -> list[str]:
@@ -668,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bins = native_bins(args.native_dir)
     args.model = (args.model or default_model()).resolve()
-    args.specli = find_specli()
+    args.specli = shlex.split(args.specli) if args.specli else find_specli()
+    specli_state = specli_version()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  (progress on stderr)
 
     prompt_files = write_prompt_files(args.native_dir / "prompts", args.prompts)
@@ -676,12 +743,17 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load_avg()
     log(f"load average {load_before}; {len(jobs)} runs x {args.repeat} rounds; model {args.model}")
     warm_up(args)
-    runs = run_all(jobs, args.repeat, args.max_tokens, log)
+    runs, failures = run_all(jobs, args.repeat, args.max_tokens, log)
     load_after = load_avg()
 
     summary = summarize_runs(runs)
     rows = build_rows(summary, args)
     print_table(rows, summary, args, (load_before, load_after))
+    print(f"specli: {specli_state}")
+    if failures:
+        print(f"\n{len(failures)} run(s) failed (their numbers are missing above):")
+        for failure in failures:
+            print("  " + failure.strip().splitlines()[0][:300] + "\n    " + failure.strip().splitlines()[-1][:300])
     if args.show_commands:
         print(f"\ncommands (the prompt files in {args.native_dir / 'prompts'} hold the built-in prompts):")
         for job in jobs:
@@ -690,12 +762,14 @@ def main(argv: list[str] | None = None) -> int:
         payload = {
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"},
             "load_avg": {"before": load_before, "after": load_after},
+            "specli": specli_state,
+            "failures": failures,
             "rows": rows,
             "runs": [asdict(r) for r in runs],
         }
         args.json.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
         log(f"raw numbers saved to {args.json}")
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
