@@ -3,8 +3,8 @@
 
 Two configurations, each against target-only decoding at the same temperature (same process,
 runs interleaved so machine noise hits both alike):
-- "cost pair": the synthetic cost-realistic pair (target ~10x the draft's cost per token, high
-  agreement at temperature 0; specli.synthetic.make_cost_pair), drafted by its draft model;
+- "cost pair": the synthetic cost-realistic pair (target ~10x the draft's cost per token, ~90%
+  greedy agreement, soft logits; specli.synthetic.make_cost_pair), drafted by its draft model;
 - "gemma lookup": Gemma 3 270M Q4_K_M drafted by prompt lookup.
 
 Speedup = speculative tokens/s / target-only tokens/s (medians over --repeat seeds).
@@ -27,23 +27,7 @@ from specli.llama import LlamaModel, init_backend
 from specli.sampling import SamplingParams
 
 TEMPERATURES = [0.0, 0.4, 0.8, 1.2]
-CODE_PROMPT = '''def mean(values):
-    total = 0
-    for value in values:
-        total = total + value
-    return total / len(values)
-
-
-def variance(values):
-    m = mean(values)
-    total = 0
-    for value in values:
-        total = total + (value - m) ** 2
-    return total / len(values)
-
-# The same two functions, with type hints:
-def mean(values: list[float]) -> float:
-'''
+from bench_lookup import CODE_PROMPT  # the code-edit prompt of the lookup benchmark
 
 
 def measure(model_tgt, make_drafter, prompt_ids, n_draft, temperature, max_tokens, repeat):
@@ -72,7 +56,8 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        target, draft = synthetic.make_cost_pair(Path(tmp), seed=0, agreement=0.9)
+        # Soft logits (logit_std 3, against 10 in the test fixtures) so that temperature matters.
+        target, draft = synthetic.make_cost_pair(Path(tmp), seed=0, agreement=0.9, logit_std=3.0)
         model_tgt = LlamaModel(target, n_ctx=1024, n_threads=args.threads)
         model_dft = LlamaModel(draft, n_ctx=1024, n_threads=args.threads)
         ids = model_tgt.tokenize("Once upon a time, in a small village,")
