@@ -104,8 +104,13 @@ def test_caches_hold_exactly_the_context_after_every_step(perturbed):
         for step in gen:
             steps += 1
             if gen.stop_reason is None:
+                context = ids + gen.token_ids
                 # Target: everything but the newest token, which starts the next pass.
-                assert model_tgt.cached == (ids + gen.token_ids)[:-1]
+                assert model_tgt.cached == context[:-1]
+                # Draft: accepted text only, lacking at most the tokens it never evaluated (the
+                # target's own token, and the last draft after a full accept).
+                assert model_dft.cached == context[: len(model_dft.cached)]
+                assert len(model_dft.cached) >= len(context) - 2
         assert steps == gen.stats.target_passes
     finally:
         del model_dft.eval

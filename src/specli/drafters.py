@@ -46,15 +46,17 @@ class Drafter(Protocol):
 class DraftModelDrafter:
     """Greedy drafts from a smaller model that shares the target's vocabulary.
 
-    The draft model's cache is kept in step with the context: `propose` reuses the longest
-    cached prefix, so after a step it evaluates only the tokens it has not seen (usually the
-    target's own token, plus the last draft after a full accept) — never the whole history.
+    The draft model's cache is kept in step with the context: after each step it holds exactly
+    accepted text (`update` drops rejected drafts), and `propose` reuses that prefix, evaluating
+    only the tokens it has not seen (the target's own token, plus the last draft after a full
+    accept) — never the whole history.
     """
 
     name = "draft-model"
 
     def __init__(self, model_dft: LlamaModel):
         self.model_dft = model_dft
+        self._context_len = 0  # length of the context the latest proposal continued
         self.sampling = GREEDY
         self.rng = np.random.default_rng(0)
 
@@ -67,6 +69,7 @@ class DraftModelDrafter:
         if n_max <= 0:
             return Proposal([])
         logits = self.model_dft.sync(context)
+        self._context_len = len(context)
         tokens: list[int] = []
         q_rows: list[np.ndarray] | None = None if self.sampling.greedy else []
         while True:
@@ -83,7 +86,9 @@ class DraftModelDrafter:
             logits = self.model_dft.eval([token], logits="last")
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
-        pass  # the next propose() trims the rejected tail through sync()
+        # Drop the rejected drafts now, so the cache holds only accepted text between steps
+        # (the last draft and the target's own token are evaluated by the next propose()).
+        self.model_dft.truncate(self._context_len + min(n_accepted, n_drafted - 1))
 
 
 class PromptLookupDrafter:
