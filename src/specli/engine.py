@@ -140,6 +140,7 @@ class SpeculativeDecoder:
         if drafter is not None:
             drafter.begin(context, self.sampling, rng)
         stats.prompt_tokens = len(context)
+        stats.prompt_reused = reused
         stats.prompt_s = time.perf_counter() - t0
 
         t_gen = time.perf_counter()

@@ -8,6 +8,8 @@
   equals 1 + accepted/passes when no step was cut short by a stop token).
 - tokens_per_s = generated tokens / generation time (prompt processing excluded).
 - prompt_s: time to put the prompt into the target's (and the draft model's) cache.
+- prompt_reused: prompt tokens already in the target's cache from an earlier generation (a chat's
+  history), so not evaluated again; prompt_tokens - prompt_reused were evaluated.
 - draft_s: time spent proposing drafts; verify_s: time in target passes and verification.
 - wall_s: prompt_s + generation time, all in.
 """
@@ -24,6 +26,7 @@ class Stats:
     accepted: int = 0
     target_passes: int = 0
     prompt_tokens: int = 0
+    prompt_reused: int = 0
     prompt_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -73,6 +76,7 @@ class Stats:
             "mean_tokens_per_pass": rnd(self.mean_tokens_per_pass),
             "tokens_per_s": rnd(self.tokens_per_s),
             "prompt_tokens": self.prompt_tokens,
+            "prompt_reused": self.prompt_reused,
             "prompt_s": rnd(self.prompt_s),
             "draft_s": rnd(self.draft_s),
             "verify_s": rnd(self.verify_s),
