@@ -216,3 +216,18 @@ def test_greedy_with_repeat_penalty_is_exact_and_applies_the_penalty(perturbed):
         gen = SpeculativeDecoder(model_tgt, drafter, 4, penalized).generate(ids, max_tokens=60).run()
         assert gen.token_ids == reference.token_ids
     assert reference.token_ids != plain.token_ids  # the penalty really changed the choices
+
+
+def test_streamed_text_is_the_detokenized_output(perturbed):
+    """Step texts, joined, equal detokenizing all tokens at once (split characters included)."""
+    from specli.text import detokenize
+
+    model_tgt, model_dft = perturbed
+    for prompt in PROMPTS:
+        ids = model_tgt.tokenize(prompt)
+        gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5).generate(ids, max_tokens=80)
+        streamed = "".join(step.text for step in gen)
+        assert gen.text.startswith(streamed)  # the rest was held back for an incomplete character
+        assert gen.text == detokenize(model_tgt.piece, gen.token_ids)
+    byte_tokens = [t for t in range(model_tgt.n_vocab) if model_tgt.token_text(t).startswith(b"<0x")]
+    assert byte_tokens  # the fixture vocabulary has byte fallback, so characters can be split
