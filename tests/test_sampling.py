@@ -481,5 +481,5 @@ def test_defaults_are_llama_cpps_and_valid():
     assert (params.temperature, params.top_k, params.top_p, params.min_p) == (0.8, 40, 0.95, 0.05)
     assert (params.repeat_penalty, params.repeat_last_n, params.seed) == (1.0, 64, None)
     SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0, repeat_last_n=0).validate()
-    a, b = make_rng(SamplingParams(seed=9)), make_rng(SamplingParams(seed=9))
+    a, b = make_rng(9), make_rng(9)
     assert a.random() == b.random()

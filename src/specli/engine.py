@@ -24,7 +24,7 @@ import numpy as np
 from .drafters import Drafter, Proposal
 from .errors import UsageError
 from .llama import LlamaModel, common_prefix_len
-from .sampling import GREEDY, SamplingParams, penalized_row, penalty_history, probabilities, verify_sampled
+from .sampling import GREEDY, SamplingParams, make_rng, penalized_row, penalty_history, probabilities, verify_sampled
 from .stats import Stats
 from .text import TextStream
 from .verify import Verdict, verify_greedy
@@ -136,7 +136,7 @@ class SpeculativeDecoder:
         reused = common_prefix_len(model_tgt.cached, context[:-1])
         model_tgt.truncate(reused)
         model_tgt.eval(context[reused:-1], logits="none")
-        rng = np.random.default_rng(gen.seed)
+        rng = make_rng(gen.seed)
         if drafter is not None:
             drafter.begin(context, self.sampling, rng)
         stats.prompt_tokens = len(context)

@@ -85,12 +85,6 @@ def _last_native_error() -> str | None:
     return None
 
 
-def supports_gpu_offload() -> bool:
-    """True when this llama.cpp build has a GPU backend (CUDA, Metal, Vulkan, ...)."""
-    init_backend(verbose=_verbose)
-    return bool(llama_cpp.llama_supports_gpu_offload())
-
-
 def check_gguf_file(path: Path) -> None:
     """Raise ModelFileError unless `path` is a readable file that starts like a GGUF."""
     if not path.exists():
@@ -194,10 +188,6 @@ class LlamaModel:
         return bool(llama_cpp.llama_model_is_recurrent(self._model)) or bool(
             llama_cpp.llama_model_is_hybrid(self._model)
         )
-
-    @property
-    def n_layer(self) -> int:
-        return int(llama_cpp.llama_model_n_layer(self._model))
 
     def vocab_info(self) -> VocabInfo:
         v = self._vocab
@@ -346,6 +336,19 @@ class LlamaModel:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # --- for `specli chat` ----------------------------------------------------------------------
+    def chat_template(self) -> str | None:
+        """The chat template stored in the GGUF metadata (tokenizer.chat_template), or None."""
+        raw = llama_cpp.llama_model_chat_template(self._model, None)
+        text = raw.decode("utf-8", errors="replace") if raw else ""
+        return text if text.strip() else None  # some base models store an empty template
+
+    def forget_untracked(self) -> None:
+        """Drop cache entries beyond `cached`. A Ctrl-C between a decode and its bookkeeping can
+        leave some behind, and the next positions would then collide with them."""
+        self._tail_logits = None
+        self._remove_from(len(self.cached))
+
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token lists."""
@@ -396,3 +399,37 @@ def convert(src: Path, dst: Path, file_type: str, *, n_threads: int | None = Non
     if status != 0:
         raise SpecliError(f"converting {src} to {file_type} failed: {_last_native_error() or status}")
     return Path(dst)
+
+
+# --- chat templates (used by `specli chat`) -----------------------------------------------------
+def builtin_chat_templates() -> list[str]:
+    """Names of the chat templates llama.cpp knows by name (chatml, gemma, llama3, ...)."""
+    n = int(llama_cpp.llama_chat_builtin_templates(None, 0))
+    names = (ctypes.c_char_p * max(n, 1))()
+    n = int(llama_cpp.llama_chat_builtin_templates(names, n))
+    return [names[i].decode("utf-8") for i in range(max(n, 0))]
+
+
+def apply_chat_template(template: str, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True) -> str | None:
+    """Render (role, content) messages with `template` (a built-in name or a template's source).
+
+    add_assistant ends the text with the opening of an assistant turn. Returns None when
+    llama.cpp does not recognise the template (its detection covers the common families only).
+    """
+    chat = (llama_cpp.llama_chat_message * max(len(messages), 1))()
+    # Keep the encoded strings referenced while llama.cpp reads them.
+    encoded = [(role.encode("utf-8"), content.encode("utf-8")) for role, content in messages]
+    for i, (role, content) in enumerate(encoded):
+        chat[i].role, chat[i].content = role, content
+    tmpl = template.encode("utf-8")
+    size = max(256, 2 * sum(len(r) + len(c) for r, c in encoded))
+    for _ in range(2):  # a second try when the first buffer was too small
+        buf = ctypes.create_string_buffer(size)
+        n = int(llama_cpp.llama_chat_apply_template(tmpl, chat, len(encoded), add_assistant, buf, size))
+        if n < 0:
+            return None
+        if n <= size:
+            return buf.raw[:n].decode("utf-8", errors="replace")
+        size = n + 1
+    return None
+

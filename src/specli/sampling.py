@@ -98,9 +98,9 @@ def penalty_history(params: SamplingParams, context: Sequence[int], extra: Seque
     return tail[-n:]
 
 
-def make_rng(params: SamplingParams) -> np.random.Generator:
-    """The random generator for one generation: reproducible when params.seed is set."""
-    return np.random.default_rng(params.seed)
+def make_rng(seed: int | None) -> np.random.Generator:
+    """The random generator for one generation: reproducible when the seed is set."""
+    return np.random.default_rng(seed)
 
 
 # --- logits -> probabilities ----------------------------------------------------------------
