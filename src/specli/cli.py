@@ -196,3 +196,7 @@ def _click_message(err) -> str:
     ctx = getattr(err, "ctx", None)
     command = f"specli {ctx.info_name}" if ctx is not None and ctx.parent is not None else "specli"
     return f"{err.format_message()} (see '{command} --help')"
+
+
+# Commands kept in their own modules register themselves on `app` when imported.
+from . import cli_models  # noqa: E402,F401
