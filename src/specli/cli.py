@@ -150,6 +150,64 @@ def sampling_json(sampling: SamplingParams) -> dict:
     return fields
 
 
+@app.command()
+def chat(
+    model: Optional[str] = typer.Option(None, "-m", "--model", help="Target model: a GGUF path or a models.toml name. Default: the embedded Gemma 3 270M."),
+    draft: Optional[str] = typer.Option(None, "-d", "--draft", help="Draft model: a GGUF path or a models.toml name (same tokenizer as the target)."),
+    lookup: bool = typer.Option(False, "--lookup", help="Draft by prompt lookup (copying from the conversation so far); no draft model."),
+    target_only: bool = typer.Option(False, "--target-only", help="Plain decoding with the target alone: the baseline."),
+    n_draft: Optional[int] = typer.Option(None, "-n", "--num-speculative-tokens", help="Draft tokens per step (default 5, or the models.toml suggestion)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Generated tokens at most per reply."),
+    ctx: int = typer.Option(4096, "-c", "--ctx", help="Context size in tokens (the whole conversation + a reply)."),
+    ngl: int = typer.Option(-1, "--ngl", help="Target layers to offload to the GPU (-1 = all)."),
+    draft_ngl: int = typer.Option(-1, "--draft-ngl", help="Draft model layers to offload to the GPU (-1 = all)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt for the conversation."),
+    template: Optional[str] = typer.Option(None, "--template", help="A llama.cpp built-in chat template (chatml, gemma, llama3, ...) instead of the model's own."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr except errors."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log and tracebacks."),
+    show_accept: bool = typer.Option(False, "--show-accept", help="On a terminal, colour text that came from accepted drafts."),
+    temperature: float = typer.Option(0.8, "--temperature", "--temp", help="Sampling temperature; 0 = greedy (deterministic)."),
+    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Keep the smallest set of tokens with this much probability (1 = off)."),
+    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens below this fraction of the best token's probability (0 = off)."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalise recently seen tokens (1 = off)."),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the repeat penalty looks at."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling (default: a fresh one per reply)."),
+) -> int:
+    """Chat with a model: replies streamed to stdout, per-turn stats on stderr; /help lists the commands."""
+    from .chat import ChatOptions, ChatSession, LineReader, check_template_name, choose_formatter
+    from .llama import init_backend
+    from .ui import stderr_console
+
+    # The same checks, in the same order, as `run`.
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+    sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed).validate()
+    choice = ModelChoice(model, draft, lookup, target_only, n_draft, ctx, ngl, draft_ngl, threads, sampling)
+    init_backend(verbose=verbose)
+    if template is not None:
+        check_template_name(template)  # before the (slow) load
+    the_plan = plan(choice)
+
+    if quiet or not sys.stderr.isatty():
+        loaded = load(the_plan, choice)
+    else:
+        with stderr_console().status(f"loading {the_plan.target_path.name}" + (f" and {the_plan.draft_path.name}" if the_plan.draft_path else "")):
+            loaded = load(the_plan, choice)
+    try:
+        formatter, notice = choose_formatter(loaded.model_tgt, template)
+        if notice and not quiet:
+            print(notice, file=sys.stderr)
+        options = ChatOptions(max_tokens=max_tokens, system=system, template=template, quiet=quiet, verbose=verbose, show_accept=show_accept)
+        session = ChatSession(loaded, formatter, options)
+        return session.loop(LineReader(sys.stdin, sys.stdout, sys.stderr))
+    finally:
+        loaded.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: runs the app, turns every failure into one line on stderr and an exit code.
 

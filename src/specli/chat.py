@@ -1,0 +1,426 @@
+"""`specli chat`: a multi-turn conversation on one loaded decoder.
+
+Each turn renders the whole conversation (system prompt, history, the new user message, the
+opening of the assistant's turn) with the model's chat template, tokenizes it and generates.
+Nothing is cached here: the engine reuses the longest common prefix of the target's KV cache
+(and the draft model's), so a turn evaluates only what is new since the previous one.
+
+stdout carries the replies and nothing else (each followed by a newline); prompts, notices and
+per-turn statistics go to stderr, so `printf 'hi\\n/exit\\n' | specli chat` works in scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional, TextIO
+
+from .engine import MAX_DRAFT
+from .errors import UsageError
+from .llama import LlamaModel, apply_chat_template, builtin_chat_templates
+from .loading import Loaded
+from .stats import Stats
+
+PLAIN = "plain"  # our fallback format for models without a usable template
+
+HELP = """commands:
+  /help          this help
+  /stats         session totals: turns, tokens, acceptance, tokens per target pass
+  /n N           draft tokens per step from now on (1..64)
+  /reset         forget the conversation (the system prompt stays) and empty the caches
+  /system TEXT   set the system prompt (/system alone shows it)
+  /save FILE     write the conversation and settings as JSON
+  /exit          leave (so do Ctrl-D, or Ctrl-C at the prompt)
+A line ending with a backslash continues on the next line. Ctrl-C during a reply stops it."""
+
+
+# --- formatting ----------------------------------------------------------------------------------
+@dataclass
+class Formatter:
+    """Turns (system, messages) into the text the model continues.
+
+    template: a llama.cpp template (built-in name or the model's own source), or None for plain
+    "User: ...\\nAssistant: ..." turns. name: what to call it in notices and /save.
+    """
+
+    template: Optional[str]
+    name: str
+
+    def render(self, system: Optional[str], messages: list[dict], *, add_assistant: bool = True) -> str:
+        """The conversation as text, ending with the assistant's opening when add_assistant."""
+        pairs = ([("system", system)] if system else []) + [(m["role"], m["content"]) for m in messages]
+        if self.template is not None:
+            text = apply_chat_template(self.template, pairs, add_assistant=add_assistant)
+            if text is not None:
+                return text
+        return render_plain(pairs, add_assistant=add_assistant)
+
+
+def render_plain(pairs: list[tuple[str, str]], *, add_assistant: bool) -> str:
+    """The fallback format. The assistant's opening ends with "Assistant:" (no space) so that the
+    rendered prompt of one turn stays a token prefix of the next turn's (measured on Gemma's and
+    the fixtures' tokenizers), which is what lets the KV cache be reused."""
+    parts = []
+    for role, content in pairs:
+        if role == "system":
+            parts.append(f"{content}\n\n")
+        elif role == "user":
+            parts.append(f"User: {content}\n")
+        else:
+            parts.append(f"Assistant: {content.strip()}\n")
+    if add_assistant:
+        parts.append("Assistant:")
+    return "".join(parts)
+
+
+def choose_formatter(model: LlamaModel, template_name: Optional[str]) -> tuple[Formatter, Optional[str]]:
+    """The formatter for this session and a one-line notice (or None).
+
+    --template NAME (a llama.cpp built-in name) wins; else the GGUF's own template when llama.cpp
+    recognises it; else plain turns. Raises UsageError for an unknown NAME.
+    """
+    if template_name is not None:
+        check_template_name(template_name)
+        return Formatter(template_name, template_name), None
+    own = model.chat_template()
+    if own is None:
+        return Formatter(None, PLAIN), (
+            f"note: {model.path.name} has no chat template; using plain 'User:/Assistant:' turns "
+            "(--template NAME picks one, e.g. chatml)"
+        )
+    if apply_chat_template(own, [("user", "hi")]) is None:
+        return Formatter(None, PLAIN), (
+            f"note: llama.cpp does not recognise {model.path.name}'s chat template; using plain "
+            "'User:/Assistant:' turns (--template NAME picks one, e.g. chatml)"
+        )
+    return Formatter(own, "model"), None
+
+
+def check_template_name(name: str) -> None:
+    """Raise UsageError unless `name` is one of llama.cpp's built-in template names."""
+    names = builtin_chat_templates()
+    if name not in names:
+        shown = ", ".join(n for n in ("chatml", "gemma", "llama3", "llama2", "mistral-v7", "phi3") if n in names)
+        raise UsageError(f"unknown chat template '{name}'; use a llama.cpp built-in name such as {shown} ({len(names)} known)")
+
+
+def encode(model: LlamaModel, text: str) -> list[int]:
+    """Tokens of a rendered conversation. Templates contain special tokens (parse_special), and
+    some start with BOS themselves: add it only when the model wants one and it is missing."""
+    ids = model.tokenize(text, add_bos=False, parse_special=True)
+    info = model.vocab_info()
+    if info.add_bos and (not ids or ids[0] != info.bos):
+        ids.insert(0, info.bos)
+    return ids
+
+
+# --- fitting the context -------------------------------------------------------------------------
+class MessageTooLong(Exception):
+    """The system prompt plus the new message alone do not fit the context."""
+
+
+def fit_conversation(
+    system: Optional[str],
+    history: list[dict],
+    message: dict,
+    tokens_of: Callable[[Optional[str], list[dict]], list[int]],
+    n_ctx: int,
+    max_tokens: int,
+) -> tuple[list[int], int]:
+    """Prompt tokens for `history + [message]` that leave room for `max_tokens`, dropping the
+    oldest user/assistant pairs of `history` (in place; never the system prompt) as needed.
+
+    Returns (prompt ids, pairs dropped). When no history is left and the reply still lacks room,
+    the prompt is used anyway (the reply then stops when the context is full). Raises
+    MessageTooLong, with `history` untouched, when the prompt alone fills the context.
+    """
+    # Work on a count, not on `history`: a refused message must leave the history as it was.
+    dropped = 0
+    while True:
+        kept = history[2 * dropped :]
+        ids = tokens_of(system, kept + [message])
+        if len(ids) + max_tokens <= n_ctx or not kept:
+            break
+        dropped += 1
+    if len(ids) >= n_ctx:
+        raise MessageTooLong(len(ids))
+    del history[: 2 * dropped]
+    return ids, dropped
+
+
+# --- session totals ------------------------------------------------------------------------------
+@dataclass
+class Totals:
+    """Sums over the session's replies (for /stats)."""
+
+    turns: int = 0
+    n_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0
+    generation_s: float = 0.0
+    prompt_evaluated: int = 0
+    prompt_reused: int = 0
+
+    def add(self, stats: Stats) -> None:
+        self.turns += 1
+        self.n_tokens += stats.n_tokens
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+        self.target_passes += stats.target_passes
+        self.generation_s += stats.generation_s
+        self.prompt_evaluated += stats.prompt_tokens - stats.prompt_reused
+        self.prompt_reused += stats.prompt_reused
+
+    def describe(self, *, with_drafting: bool) -> str:
+        """A few lines for /stats; the speedup is labelled for what it is."""
+        lines = [f"turns: {self.turns}, generated tokens: {self.n_tokens}"
+                 + (f" ({self.n_tokens / self.generation_s:.1f} tok/s)" if self.generation_s > 0 else ""),
+                 f"prompt tokens: {self.prompt_evaluated} evaluated, {self.prompt_reused} reused from the cache"]
+        if not with_drafting:
+            lines.append("drafting: off (--target-only): 1 token per target pass")
+            return "\n".join(lines)
+        rate = f"{self.accepted / self.drafted:.0%}" if self.drafted else "-"
+        lines.append(f"drafted: {self.drafted}, accepted: {self.accepted} (acceptance {rate})")
+        if self.target_passes:
+            per_pass = self.n_tokens / self.target_passes
+            lines.append(f"mean tokens per target pass: {per_pass:.2f}")
+            lines.append(
+                f"speedup estimate: {per_pass:.2f}x (= tokens per target pass; an upper bound that "
+                "ignores the draft's cost and the extra cost of wider target passes; compare with "
+                "--target-only for a measurement)"
+            )
+        return "\n".join(lines)
+
+
+# --- input ---------------------------------------------------------------------------------------
+class LineReader:
+    """Reads the user's lines: readline-backed input() on a terminal, plain lines from a pipe.
+
+    read(prompt) returns the line without its newline, or None at end of input. Prompts are
+    shown only on a terminal, and never on stdout unless stdout is that terminal.
+    """
+
+    def __init__(self, stdin: TextIO, stdout: TextIO, stderr: TextIO):
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.interactive = stdin.isatty()
+        if self.interactive:
+            try:
+                import readline  # noqa: F401  (line editing and history for input())
+            except ImportError:  # not on every platform; input() still works without it
+                pass
+
+    def read(self, prompt: str) -> Optional[str]:
+        if not self.interactive:
+            raw = self.stdin.buffer.readline() if hasattr(self.stdin, "buffer") else self.stdin.readline()
+            if not raw:
+                return None
+            line = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
+            return line.rstrip("\r\n")
+        try:
+            if self.stdout.isatty():
+                return input(prompt)
+            self.stderr.write(prompt)
+            self.stderr.flush()
+            return input()
+        except EOFError:
+            self.stderr.write("\n")
+            return None
+
+
+def read_message(read: Callable[[str], Optional[str]], prompt: str = ">>> ", more: str = "... ") -> Optional[str]:
+    """One message: a line, or several when each but the last ends with a backslash (joined by
+    newlines, backslashes removed). None at end of input with nothing pending."""
+    lines: list[str] = []
+    while True:
+        line = read(more if lines else prompt)
+        if line is None:
+            return "\n".join(lines) if lines else None
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            continue
+        lines.append(line)
+        return "\n".join(lines)
+
+
+# --- the session ---------------------------------------------------------------------------------
+@dataclass
+class ChatOptions:
+    max_tokens: int = 256
+    system: Optional[str] = None
+    template: Optional[str] = None
+    quiet: bool = False
+    verbose: bool = False
+    show_accept: bool = False
+
+
+@dataclass
+class ChatSession:
+    """One conversation on one loaded decoder (models are never reloaded)."""
+
+    loaded: Loaded
+    formatter: Formatter
+    options: ChatOptions
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+    err: TextIO = field(default_factory=lambda: sys.stderr)
+    messages: list[dict] = field(default_factory=list)
+    totals: Totals = field(default_factory=Totals)
+
+    def __post_init__(self) -> None:
+        self.system: Optional[str] = self.options.system
+
+    @property
+    def with_drafting(self) -> bool:
+        return self.loaded.plan.mode != "target-only"
+
+    def notice(self, text: str) -> None:
+        """A one-line message on stderr (kept even with --quiet only when it reports a refusal)."""
+        print(text, file=self.err, flush=True)
+
+    def tokens_of(self, system: Optional[str], messages: list[dict]) -> list[int]:
+        return encode(self.loaded.model_tgt, self.formatter.render(system, messages))
+
+    # --- a turn --------------------------------------------------------------------------------
+    def turn(self, text: str) -> None:
+        """Answer `text`: fit the conversation, stream the reply, add both to the history."""
+        from .ui import stream_generation, summary_line
+
+        decoder = self.loaded.decoder
+        n_ctx = decoder.model_tgt.n_ctx
+        message = {"role": "user", "content": text}
+        try:
+            ids, dropped = fit_conversation(self.system, self.messages, message, self.tokens_of, n_ctx, self.options.max_tokens)
+        except MessageTooLong as too_long:
+            self.notice(
+                f"specli: message refused: with the system prompt it is {too_long.args[0]} tokens, "
+                f"more than the context of {n_ctx} (shorten it or raise -c)"
+            )
+            return
+        if dropped and not self.options.quiet:
+            self.notice(f"context full: dropped the oldest {dropped} exchange(s) to fit the {n_ctx}-token context with --max-tokens {self.options.max_tokens}")
+        gen = decoder.generate(ids, max_tokens=self.options.max_tokens)
+        interrupted = stream_generation(
+            gen, self.out, self.err, show_text=True, live=not self.options.quiet and not self.options.verbose,
+            show_accept=self.options.show_accept, with_drafting=self.with_drafting,
+        )
+        if interrupted:
+            self._forget_untracked()
+        if not self.out.isatty() or not gen.text:
+            # stream_generation ends a terminal's line itself; a pipe gets one newline per reply.
+            self.out.write("\n")
+        self.out.flush()
+        self.messages += [message, {"role": "assistant", "content": gen.text}]
+        self.totals.add(gen.stats)
+        if not self.options.quiet:
+            stats = gen.stats
+            line = summary_line(stats, stop_reason=gen.stop_reason, with_drafting=self.with_drafting)
+            self.notice(f"{line} · prompt: {stats.prompt_tokens - stats.prompt_reused} evaluated, {stats.prompt_reused} reused")
+
+    def _forget_untracked(self) -> None:
+        # Ctrl-C may land between a decode and its bookkeeping: make each cache match its record.
+        for model in (self.loaded.model_tgt, self.loaded.model_dft):
+            if model is not None:
+                model.forget_untracked()
+
+    # --- commands ------------------------------------------------------------------------------
+    def command(self, line: str) -> bool:
+        """Run a /command. Returns False when the session should end."""
+        name, _, arg = line.strip().partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit"):
+            return False
+        handler = {
+            "/help": lambda: self.notice(HELP),
+            "/stats": lambda: self.notice(self.totals.describe(with_drafting=self.with_drafting)),
+            "/n": lambda: self._set_n(arg),
+            "/reset": self._reset,
+            "/system": lambda: self._set_system(arg),
+            "/save": lambda: self._save(arg),
+        }.get(name)
+        if handler is None:
+            self.notice(f"unknown command {name}; /help lists the commands")
+        else:
+            handler()
+        return True
+
+    def _set_n(self, arg: str) -> None:
+        if not self.with_drafting:
+            self.notice("/n: no drafting in --target-only mode")
+            return
+        try:
+            n = int(arg)
+        except ValueError:
+            n = 0
+        if not 1 <= n <= MAX_DRAFT:
+            self.notice(f"/n needs a number of draft tokens from 1 to {MAX_DRAFT}, e.g. /n 8")
+            return
+        self.loaded.decoder.n_draft = n
+        self.notice(f"draft length: {n} tokens per step")
+
+    def _reset(self) -> None:
+        self.messages.clear()
+        for model in (self.loaded.model_tgt, self.loaded.model_dft):
+            if model is not None:
+                model.reset()
+        self.notice("conversation cleared" + (" (system prompt kept)" if self.system else ""))
+
+    def _set_system(self, arg: str) -> None:
+        if not arg:
+            self.notice(f"system prompt: {self.system!r}" if self.system else "no system prompt (/system TEXT sets one)")
+            return
+        self.system = arg
+        self.notice("system prompt set")
+
+    def _save(self, path: str) -> None:
+        if not path:
+            self.notice("/save needs a file name, e.g. /save chat.json")
+            return
+        try:
+            with open(path, "w", encoding="utf-8") as handle:
+                json.dump(self.to_json(), handle, ensure_ascii=False, indent=2)
+                handle.write("\n")
+        except OSError as err:
+            self.notice(f"/save: cannot write {path}: {err.strerror}")
+            return
+        self.notice(f"saved {len(self.messages)} messages to {path}")
+
+    def to_json(self) -> dict:
+        """The conversation and the settings it was produced with (what /save writes)."""
+        from .cli import sampling_json
+
+        plan = self.loaded.plan
+        return {
+            "system": self.system,
+            "messages": [dict(m) for m in self.messages],
+            "settings": {
+                "target": str(plan.target_path),
+                "draft": plan.draft_label,
+                "n_draft": self.loaded.decoder.n_draft,
+                "template": self.formatter.name,
+                "max_tokens": self.options.max_tokens,
+                "n_ctx": self.loaded.model_tgt.n_ctx,
+                "sampling": sampling_json(plan.sampling),
+            },
+        }
+
+    # --- the loop ------------------------------------------------------------------------------
+    def loop(self, reader: LineReader) -> int:
+        """Read messages and commands until /exit, end of input or Ctrl-C at the prompt; exit code 0."""
+        if reader.interactive and not self.options.quiet:
+            self.notice("specli chat: /help for commands, /exit or Ctrl-D to leave")
+        while True:
+            try:
+                text = read_message(reader.read)
+            except KeyboardInterrupt:
+                self.err.write("\n")
+                return 0
+            if text is None:
+                return 0
+            if not text.strip():
+                continue
+            if text.startswith("/"):
+                if not self.command(text):
+                    return 0
+                continue
+            self.turn(text)

@@ -1,0 +1,260 @@
+"""`specli chat` through a real subprocess (piped stdin, and a pty for Ctrl-C), plus its pure parts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from specli.chat import MessageTooLong, fit_conversation, read_message, render_plain
+
+GREEDY = ("--temperature", "0")
+TURN = re.compile(r"prompt (\d+) tokens in .* · prompt: (\d+) evaluated, (\d+) reused")
+
+
+def chat(*args: str, stdin: str = "", timeout: float = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "specli", "chat", *args],
+        input=stdin, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def turns(stderr: str) -> list[tuple[int, int, int]]:
+    """(prompt tokens, evaluated, reused) of each reply, from the per-turn summary lines."""
+    return [tuple(map(int, m.groups())) for m in TURN.finditer(stderr)]
+
+
+def saved(tmp_path, name="chat.json") -> dict:
+    return json.loads((tmp_path / name).read_text(encoding="utf-8"))
+
+
+# --- several turns, one process --------------------------------------------------------------------
+def test_turns_reuse_the_cache_and_stdout_is_only_the_replies(pair_perturbed, tmp_path):
+    target, draft = map(str, pair_perturbed)
+    script = f"Hello there\nHow are you today?\nTell me more.\n/save {tmp_path / 'chat.json'}\n/exit\n"
+    result = chat("-m", target, "-d", draft, "--max-tokens", "20", *GREEDY, stdin=script)
+    assert result.returncode == 0, result.stderr
+    (p1, e1, r1), (p2, e2, r2), (p3, e3, r3) = turns(result.stderr)
+    assert r1 == 0 and e1 == p1
+    assert r2 >= p1  # turn 1's whole prompt came from the cache
+    assert r3 >= p2 and r3 > r2
+    assert e2 + r2 == p2 and e2 < p2
+    conv = saved(tmp_path)
+    assert [m["role"] for m in conv["messages"]] == ["user", "assistant"] * 3
+    replies = [m["content"] for m in conv["messages"] if m["role"] == "assistant"]
+    assert all(replies)
+    assert result.stdout == "".join(r + "\n" for r in replies)  # no prompts, no notices
+    assert "no chat template" in result.stderr  # the fixture has none: plain turns, said once
+    assert conv["settings"]["template"] == "plain" and conv["settings"]["draft"] == draft
+
+    # Greedy speculative chat gives the target's own replies.
+    plain = chat("-m", target, "--target-only", "--max-tokens", "20", *GREEDY, stdin=script.replace("chat.json", "plain.json"))
+    assert plain.returncode == 0, plain.stderr
+    assert [m["content"] for m in saved(tmp_path, "plain.json")["messages"]] == [m["content"] for m in conv["messages"]]
+
+
+def test_commands_reset_n_system_save(pair_perturbed, tmp_path):
+    target, draft = map(str, pair_perturbed)
+    script = "\n".join([
+        "First message", "Second message", "/reset", "Third message",
+        "/n 2", "/n 0", "/n lots", "/system Be terse.", "/system", "/bogus", "/help",
+        "line one\\", "line two", f"/save {tmp_path / 'chat.json'}", "/stats", "/exit", "never sent",
+    ]) + "\n"
+    result = chat("-m", target, "-d", draft, "--max-tokens", "8", *GREEDY, "--system", "You are a test.", stdin=script)
+    assert result.returncode == 0, result.stderr
+    counts = turns(result.stderr)
+    assert len(counts) == 4  # /exit ends the session before "never sent"
+    assert counts[1][2] >= counts[0][0] and counts[2][2] == 0  # /reset emptied the cache
+    err = result.stderr
+    assert "draft length: 2 tokens per step" in err
+    assert err.count("/n needs a number of draft tokens from 1 to 64") == 2
+    assert "unknown command /bogus; /help lists the commands" in err
+    assert "A line ending with a backslash continues" in err
+    assert "system prompt: 'Be terse.'" in err
+    assert "turns: 4" in err and "speedup estimate" in err and "ignores the draft's cost" in err
+    conv = saved(tmp_path)
+    assert conv["system"] == "Be terse."
+    assert [m["content"] for m in conv["messages"] if m["role"] == "user"] == ["Third message", "line one\nline two"]
+    assert conv["settings"]["n_draft"] == 2 and conv["settings"]["sampling"]["greedy"] is True
+
+
+def test_end_of_input_exits_cleanly(pair_perturbed):
+    target = str(pair_perturbed[0])
+    result = chat("-m", target, "--max-tokens", "5", stdin="hi\n")  # no /exit: EOF ends it
+    assert result.returncode == 0, result.stderr
+    assert len(turns(result.stderr)) == 1 and result.stdout.endswith("\n")
+    empty = chat("-m", target, "--quiet", stdin="")
+    assert empty.returncode == 0 and empty.stdout == "" and empty.stderr == ""
+
+
+def test_unknown_template_is_one_line_usage_error(pair_perturbed):
+    result = chat("-m", str(pair_perturbed[0]), "--template", "no-such-template", stdin="hi\n")
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specli: error: unknown chat template 'no-such-template'")
+    assert "chatml" in lines[0]
+
+
+def test_builtin_template_by_name(pair_perturbed, tmp_path):
+    result = chat("-m", str(pair_perturbed[0]), "--template", "chatml", "--max-tokens", "4",
+                  stdin=f"hi\nagain\n/save {tmp_path / 'c.json'}\n")
+    assert result.returncode == 0, result.stderr
+    assert "no chat template" not in result.stderr
+    assert saved(tmp_path, "c.json")["settings"]["template"] == "chatml"
+    (p1, _, _), (_, _, r2) = turns(result.stderr)
+    assert r2 >= p1
+
+
+def test_context_overflow_drops_old_turns_and_refuses_huge_messages(pair_perturbed, tmp_path):
+    target = str(pair_perturbed[0])
+    medium = "the cat sat on the mat " * 4
+    huge = "the cat sat on the mat " * 200
+    script = "\n".join([medium] * 5 + [huge, "still here?", f"/save {tmp_path / 'c.json'}"]) + "\n"
+    result = chat("-m", target, "-c", "256", "--max-tokens", "16", *GREEDY, "--system", "SYS", stdin=script)
+    assert result.returncode == 0, result.stderr
+    assert "context full: dropped the oldest" in result.stderr
+    refused = [line for line in result.stderr.splitlines() if "message refused" in line]
+    assert len(refused) == 1 and "raise -c" in refused[0]
+    assert len(turns(result.stderr)) == 6  # the huge message got no reply; the next one did
+    conv = saved(tmp_path, "c.json")
+    assert conv["system"] == "SYS"  # never dropped
+    assert conv["messages"][-2]["content"] == "still here?"
+    assert huge.strip() not in [m["content"].strip() for m in conv["messages"]]
+    assert len(conv["messages"]) >= 4  # refusing the huge message kept the history
+    assert all(p + 16 <= 256 for p, _, _ in turns(result.stderr))
+
+
+def test_memory_stays_flat_over_200_turns(pair_perturbed):
+    """200 short turns (with /reset every 20): RSS may grow by less than 40 MB after turn 20."""
+    target, draft = map(str, pair_perturbed)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specli", "chat", "-m", target, "-d", draft, "--max-tokens", "4", "-c", "4096", *GREEDY],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    lines = []
+    for turn in range(200):
+        if turn and turn % 20 == 0:
+            lines.append("/reset")
+        lines.append(f"message number {turn}")
+    proc.stdin.write("\n".join(lines) + "\n")
+    proc.stdin.flush()
+
+    def wait_for_turns(n: int) -> None:
+        seen = 0
+        while seen < n:
+            line = proc.stderr.readline()
+            assert line, "chat ended early"
+            seen += "stop:" in line
+
+    def rss_kb(field: str) -> int:
+        with open(f"/proc/{proc.pid}/status") as status:
+            return next(int(l.split()[1]) for l in status if l.startswith(field + ":"))
+
+    try:
+        wait_for_turns(20)
+        after_20 = rss_kb("VmRSS")
+        wait_for_turns(180)
+        peak, now = rss_kb("VmHWM"), rss_kb("VmRSS")
+        proc.stdin.write("/exit\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert now - after_20 < 40_000, (after_20, now)
+    assert peak - after_20 < 40_000, (after_20, peak)
+
+
+# --- the real model --------------------------------------------------------------------------------
+@pytest.mark.gemma
+def test_gemma_chat_with_lookup(gemma_path, tmp_path):
+    script = f"Write a Python function that adds two numbers.\nNow make it multiply instead.\n/stats\n/save {tmp_path / 'g.json'}\n"
+    result = chat("-m", str(gemma_path), "--lookup", "--max-tokens", "40", *GREEDY, stdin=script)
+    assert result.returncode == 0, result.stderr
+    (p1, _, _), (_, e2, r2) = turns(result.stderr)
+    assert r2 >= p1 and e2 < r2
+    conv = saved(tmp_path, "g.json")
+    assert conv["settings"]["draft"] == "lookup"
+    assert all(m["content"].strip() for m in conv["messages"])
+    assert "drafted:" in result.stderr
+
+
+def _read_until(fd: int, needle: bytes, buf: bytearray, timeout: float = 60) -> None:
+    """Read the pty into `buf` until `needle` appears after its current end."""
+    start, deadline = len(buf), time.monotonic() + timeout
+    while needle not in buf[start:]:
+        assert time.monotonic() < deadline, (needle, bytes(buf[-400:]))
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                buf += os.read(fd, 4096)
+            except OSError:  # the child closed the terminal
+                raise AssertionError((needle, bytes(buf[-400:])))
+
+
+@pytest.mark.gemma
+def test_ctrl_c_stops_the_reply_not_the_session(gemma_path):
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specli", "chat", "-m", str(gemma_path), "--target-only", "--max-tokens", "2000",
+         "-c", "256", *GREEDY],
+        stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+    )
+    os.close(slave)
+    buf = bytearray()
+    try:
+        _read_until(master, b">>> ", buf)
+        os.write(master, b"Tell me a very long story about a dragon.\n")
+        _read_until(master, b"tok/s", buf)  # the live line: the reply is streaming
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _read_until(master, b"stop: interrupted", buf)
+        _read_until(master, b">>> ", buf)
+        os.write(master, b"Say hello.\n")
+        _read_until(master, b"stop: ", buf)  # answered (up to -c: the context is small)
+        _read_until(master, b">>> ", buf)
+        os.write(master, b"/exit\n")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    assert b"Traceback" not in buf
+
+
+# --- pure parts ------------------------------------------------------------------------------------
+def test_read_message_joins_backslash_lines():
+    lines = iter(["one\\", "two\\", "three", "next"])
+    read = lambda prompt: next(lines, None)  # noqa: E731
+    assert read_message(read) == "one\ntwo\nthree"
+    assert read_message(read) == "next"
+    assert read_message(read) is None
+    pending = iter(["dangling\\"])
+    assert read_message(lambda p: next(pending, None)) == "dangling"
+
+
+def test_fit_conversation_drops_oldest_pairs_only():
+    tokens_of = lambda system, msgs: [0] * (len(system or "") + sum(len(m["content"]) for m in msgs))  # noqa: E731
+    history = [{"role": r, "content": c} for r, c in [("user", "a" * 10), ("assistant", "b" * 10), ("user", "c" * 10), ("assistant", "d" * 10)]]
+    ids, dropped = fit_conversation("S" * 5, history, {"role": "user", "content": "e" * 10}, tokens_of, n_ctx=50, max_tokens=10)
+    assert dropped == 1 and len(ids) == 35 and [m["content"][0] for m in history] == ["c", "d"]
+    with pytest.raises(MessageTooLong):
+        fit_conversation("S" * 5, history, {"role": "user", "content": "x" * 60}, tokens_of, n_ctx=50, max_tokens=10)
+    assert len(history) == 2  # a refused message drops nothing
+    ids, dropped = fit_conversation("", history, {"role": "user", "content": "y" * 45}, tokens_of, n_ctx=50, max_tokens=10)
+    assert dropped == 1 and history == [] and len(ids) == 45  # no history left: the reply gets what room remains
+
+
+def test_plain_format_keeps_each_turn_a_prefix_of_the_next():
+    first = render_plain([("system", "S"), ("user", "hi")], add_assistant=True)
+    second = render_plain([("system", "S"), ("user", "hi"), ("assistant", " hello"), ("user", "more")], add_assistant=True)
+    assert second.startswith(first) and first.endswith("Assistant:")
