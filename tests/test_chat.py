@@ -132,7 +132,8 @@ def test_context_overflow_drops_old_turns_and_refuses_huge_messages(pair_perturb
 
 
 def test_memory_stays_flat_over_200_turns(pair_perturbed):
-    """200 short turns (with /reset every 20): RSS may grow by less than 40 MB after turn 20."""
+    """200 short turns (with /reset every 20): RSS may grow by less than 10 MB after turn 20
+    (measured: about 0.2 MB over 350 turns)."""
     target, draft = map(str, pair_perturbed)
     proc = subprocess.Popen(
         [sys.executable, "-m", "specli", "chat", "-m", target, "-d", draft, "--max-tokens", "4", "-c", "4096", *GREEDY],
@@ -168,8 +169,8 @@ def test_memory_stays_flat_over_200_turns(pair_perturbed):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert now - after_20 < 40_000, (after_20, now)
-    assert peak - after_20 < 40_000, (after_20, peak)
+    assert now - after_20 < 10_000, (after_20, now)
+    assert peak - after_20 < 10_000, (after_20, peak)
 
 
 # --- the real model --------------------------------------------------------------------------------
