@@ -433,3 +433,81 @@ def apply_chat_template(template: str, messages: Sequence[tuple[str, str]], *, a
         size = n + 1
     return None
 
+
+
+# --- for `specli fit` ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BackendDevice:
+    """One ggml backend device as llama.cpp sees it; memory in bytes."""
+
+    name: str
+    description: str
+    kind: str  # "cpu", "gpu", "igpu", "accel" or "other"
+    free: int
+    total: int
+
+
+_DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
+
+
+def backend_devices() -> list[BackendDevice]:
+    """llama.cpp's own device list (ggml_backend_dev_*), or [] when it cannot be queried.
+
+    llama-cpp-python does not bind these functions, so they are called from libggml through
+    ctypes; the library sits beside libllama in llama_cpp/lib. Never raises.
+    """
+    try:
+        init_backend(verbose=_verbose)
+        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+        names = sorted(lib_dir.glob("libggml.so*")) + sorted(lib_dir.glob("libggml*.dylib")) + sorted(lib_dir.glob("ggml.dll"))
+        if not names:
+            return []
+        lib = ctypes.CDLL(str(names[0]))
+        lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+        lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+        lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+        for fn in (lib.ggml_backend_dev_name, lib.ggml_backend_dev_description):
+            fn.restype = ctypes.c_char_p
+            fn.argtypes = [ctypes.c_void_p]
+        lib.ggml_backend_dev_type.restype = ctypes.c_int
+        lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+        lib.ggml_backend_dev_memory.restype = None
+        lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+        devices = []
+        for i in range(int(lib.ggml_backend_dev_count())):
+            dev = lib.ggml_backend_dev_get(i)
+            free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+            lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+            devices.append(BackendDevice(
+                name=(lib.ggml_backend_dev_name(dev) or b"").decode("utf-8", "replace"),
+                description=(lib.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace"),
+                kind=_DEVICE_KINDS.get(int(lib.ggml_backend_dev_type(dev)), "other"),
+                free=int(free.value),
+                total=int(total.value),
+            ))
+        return devices
+    except (OSError, AttributeError):  # no such library or symbol in this build
+        return []
+
+
+def measure_kv_cache_bytes(path: Path, *, n_ctx: int, kv_type: str = "f16") -> int:
+    """Bytes of KV cache llama.cpp allocates for `path` with an n_ctx context (CPU only).
+
+    Loads the model and reads llama.cpp's own "llama_kv_cache: size = X MiB" log lines (one per
+    cache; SWA models have two). The usual log ring is too short to keep them past the loader's
+    lines, so a large one is swapped in for the duration. For tests of `specli fit`.
+    """
+    import re
+
+    global _recent_log
+    saved = _recent_log
+    _recent_log = collections.deque(maxlen=100_000)
+    try:
+        with LlamaModel(Path(path), n_ctx=n_ctx, n_gpu_layers=0, n_threads=1, kv_type=kv_type):
+            lines = [line for _, line in _recent_log]
+    finally:
+        _recent_log = saved
+    sizes = [float(m.group(1)) for line in lines if (m := re.search(r"llama_kv_cache: size =\s*([\d.]+) MiB", line))]
+    if not sizes:
+        raise SpecliError(f"llama.cpp logged no KV cache size for {path}")
+    return round(sum(sizes) * 1024 * 1024)

@@ -539,3 +539,69 @@ def resolve_model_arg(arg: str, registry: Registry) -> tuple[Path, RegistryEntry
         return Path(arg).expanduser(), None
     entry = registry.get(arg)
     return resolve_source(entry.target), entry
+
+
+# --- offline availability (for `specli models` and `specli fit`) ------------------------------
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    """Whether a source's GGUF is on this machine, found without network or assembling.
+
+    downloaded: every part is local (package sources: the module is importable and its
+    assembled file exists). path: the local GGUF (first part of a split one), or None.
+    detail: a short human explanation ("in the Hugging Face cache", "1 of 2 parts", ...).
+    """
+
+    downloaded: bool
+    path: Path | None
+    detail: str
+
+
+def source_status(source: ModelSource) -> SourceStatus:
+    """Check offline whether `source` is available locally; never downloads or assembles.
+
+    A package source counts when its module imports and its assembled file exists; else an hf
+    source counts when every part is in the Hugging Face cache.
+    """
+    if source.package:
+        status = _package_status(source.package)
+        if status.downloaded or not (source.hf_repo and source.hf_files):
+            return status
+    if source.hf_repo and source.hf_files:
+        return _hf_status(source)
+    return SourceStatus(False, None, "no source")
+
+
+def _package_status(module_name: str) -> SourceStatus:
+    """Importable module and an existing assembled file (its default_output_path)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module_name) is None:
+        return SourceStatus(False, None, f"package {module_name} not installed")
+    try:
+        module = importlib.import_module(module_name)
+        default_path = getattr(module, "default_output_path", None)
+        path = Path(default_path()) if default_path is not None else None
+    except Exception:  # a broken install: report it as not available, never crash a listing
+        return SourceStatus(False, None, f"package {module_name} does not import")
+    if path is not None and path.is_file():
+        return SourceStatus(True, path, f"package {module_name}, assembled")
+    return SourceStatus(False, None, f"package {module_name} installed, not assembled yet")
+
+
+def _hf_status(source: ModelSource) -> SourceStatus:
+    """Every part of an hf source looked up in the local Hugging Face cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found: list[str] = []
+    for filename in source.hf_files:
+        cached = try_to_load_from_cache(repo_id=source.hf_repo, filename=filename)
+        if isinstance(cached, str) and os.path.isfile(cached):
+            found.append(cached)
+    n = len(source.hf_files)
+    if len(found) == n:
+        return SourceStatus(True, Path(found[0]), "in the Hugging Face cache")
+    if found:
+        return SourceStatus(False, None, f"{len(found)} of {n} parts in the Hugging Face cache")
+    return SourceStatus(False, None, "not downloaded")
