@@ -5,4 +5,320 @@ They register on the shared Typer `app`; cli.py imports this module once.
 
 from __future__ import annotations
 
-from .cli import app  # noqa: F401
+import json
+import shlex
+import sys
+from typing import Optional
+
+import typer
+
+from .cli import app
+from .errors import UsageError
+
+EXIT_DOES_NOT_FIT = 3  # a result, not an error: `specli fit` says "no"
+
+
+def _source_label(source) -> str:
+    """'org/repo/file.gguf' (parts counted), or 'package MODULE' for package-only sources."""
+    if source.hf_repo and source.hf_files:
+        extra = f" (+{len(source.hf_files) - 1} parts)" if len(source.hf_files) > 1 else ""
+        return f"{source.hf_repo}/{source.hf_files[0]}{extra}"
+    return f"package {source.package}"
+
+
+def _source_json(source) -> dict:
+    from .registry import source_status
+
+    status = source_status(source)
+    return {
+        "package": source.package,
+        "hf_repo": source.hf_repo,
+        "hf_files": list(source.hf_files),
+        "downloaded": status.downloaded,
+        "status": status.detail,
+        "path": str(status.path) if status.path else None,
+        "size_bytes": source.size_bytes,
+    }
+
+
+def models_json() -> list[dict]:
+    """Every models.toml entry as a JSON-ready dict; checks local files offline only."""
+    from .registry import load_registry
+
+    out = []
+    for entry in load_registry().entries.values():
+        out.append({
+            "name": entry.name,
+            "default": entry.is_default,
+            "description": entry.description,
+            "target": _source_json(entry.target),
+            "draft": "lookup" if entry.lookup else _source_json(entry.draft),
+            "acceptance": list(entry.acceptance) if entry.acceptance else None,
+            "n_speculative": entry.n_speculative,
+        })
+    return out
+
+
+@app.command("models")
+def models_cmd(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON array instead of a table."),
+) -> int:
+    """List the models.toml entries and whether their files are on this machine (no network)."""
+    rows = models_json()
+    if json_out:
+        print(json.dumps(rows, ensure_ascii=False))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    from .fit import gb
+
+    table = Table(title="models.toml", show_lines=True)
+    for column in ("name", "target", "draft", "acceptance", "N", "downloaded", "size"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        def part(src) -> str:
+            return _source_label(_Src(src))
+
+        t, d = row["target"], row["draft"]
+        sizes = [s["size_bytes"] for s in (t, d) if isinstance(s, dict)]
+        size = " + ".join(gb(s) if s else "?" for s in sizes)
+        have = [("yes" if s["downloaded"] else "no") for s in (t, d) if isinstance(s, dict)]
+        acc = row["acceptance"]
+        table.add_row(
+            row["name"] + (" (default)" if row["default"] else "") + "\n" + row["description"],
+            part(t),
+            "lookup" if d == "lookup" else part(d),
+            f"{acc[0]:.0%}-{acc[1]:.0%}" if acc else "-",
+            str(row["n_speculative"] or "-"),
+            " / ".join(have),
+            size,
+        )
+    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160).print(table)
+    return 0
+
+
+class _Src:
+    """A source dict from models_json() seen as a ModelSource for _source_label."""
+
+    def __init__(self, d: dict):
+        self.hf_repo, self.hf_files, self.package = d["hf_repo"], tuple(d["hf_files"]), d["package"]
+
+
+# --- specli fit ----------------------------------------------------------------------------------
+
+
+def _resolve_shapes(model: Optional[str], draft: Optional[str], lookup: bool):
+    """(target shape, draft shape or None, target arg, draft arg) from -m/-d/--lookup, offline.
+
+    Paths are read from their GGUF header; models.toml names from their local file when it is
+    present, else from the facts models.toml records.
+    """
+    from . import fit
+    from .registry import load_registry, looks_like_path
+    from pathlib import Path
+
+    if draft and lookup:
+        raise UsageError("use either -d/--draft (a draft model) or --lookup (no draft model), not both")
+    registry = load_registry()
+
+    def one(arg: str):
+        if looks_like_path(arg):
+            return fit.shape_from_file(Path(arg).expanduser()), None
+        entry = registry.get(arg)
+        return fit.shape_from_source(entry.target, f"{arg} (target)" if entry.draft else arg), entry
+
+    if model is None:
+        entry = registry.default
+        target = fit.shape_from_source(entry.target, entry.name)
+        model_arg = None
+    else:
+        target, entry = one(model)
+        model_arg = model
+    draft_shape, draft_arg = None, None
+    if draft:
+        draft_shape, _ = one(draft)
+        draft_arg = draft
+    elif not lookup and entry is not None and entry.draft is not None:
+        draft_shape = fit.shape_from_source(entry.draft, f"{entry.name} (draft)")
+    return target, draft_shape, model_arg, draft_arg
+
+
+def _run_command(model_arg, draft_arg, lookup, *, ctx, ngl=-1, draft_ngl=-1) -> str:
+    """The `specli run` command line for the suggestion (arguments quoted for a shell)."""
+    args = ["specli", "run"]
+    if model_arg:
+        args += ["-m", model_arg]
+    if draft_arg:
+        args += ["-d", draft_arg]
+    if lookup:
+        args.append("--lookup")
+    args += ["-c", str(ctx)]
+    if ngl >= 0:
+        args += ["--ngl", str(ngl)]
+    if draft_ngl >= 0:
+        args += ["--draft-ngl", str(draft_ngl)]
+    return " ".join(shlex.quote(a) for a in args) + ' "..."'
+
+
+def _suggestions(target, draft, memory, est, opts, model_arg, draft_arg, lookup) -> list:
+    """Concrete ways to make a non-fitting setup fit: a smaller context, a layer split, a smaller quant."""
+    from . import fit
+    from .registry import load_registry, looks_like_path
+
+    out = []
+    common = dict(kv_type=opts["kv_type"], n_draft=opts["n_draft"], overhead=opts["overhead"])
+    best_ctx = fit.max_context(target, draft, memory, ngl=opts["ngl"], draft_ngl=opts["draft_ngl"], limit=opts["ctx"], **common)
+    if best_ctx:
+        out.append(fit.Suggestion("ctx", f"the largest context that fits is {best_ctx} tokens",
+                                  _run_command(model_arg, draft_arg, lookup, ctx=best_ctx, ngl=opts["ngl"], draft_ngl=opts["draft_ngl"])))
+    split = fit.layer_split(est, memory, opts["draft_ngl"])
+    if split:
+        tn, dn = split
+        out.append(fit.Suggestion("ngl", f"{tn} of {target.n_layer} target layers on the GPU, the rest in RAM (slower)",
+                                  _run_command(model_arg, draft_arg, lookup, ctx=opts["ctx"], ngl=tn, draft_ngl=dn)))
+    quant = fit.smaller_quant(target, draft, memory, n_ctx=opts["ctx"], ngl=opts["ngl"], draft_ngl=opts["draft_ngl"], **common)
+    if quant:
+        name, smaller = quant
+        command = f"llama-quantize --allow-requantize TARGET.gguf TARGET-{name}.gguf {name}"
+        if model_arg and looks_like_path(model_arg):
+            command = f"llama-quantize --allow-requantize {shlex.quote(model_arg)} target-{name}.gguf {name}"
+        else:
+            registry = load_registry()
+            entry = registry.get(model_arg) if model_arg else registry.default
+            src = entry.target
+            if src.hf_repo and src.hf_files and target.quant:
+                files = [fit._QUANT_RE.sub(name, f) for f in src.hf_files]
+                command = "hf download " + " ".join([src.hf_repo, *files]) + "   # file name guessed: check the repo"
+        out.append(fit.Suggestion("quant", f"a {name} target (~{fit.gb(smaller.weight_bytes)}) fits", command))
+    return out
+
+
+def _memory_json(m) -> dict:
+    return {"kind": m.kind, "name": m.name, "free": m.free, "total": m.total,
+            "ram_free": m.ram_free, "ram_total": m.ram_total, "source": m.source, "other_devices": list(m.others)}
+
+
+@app.command("fit")
+def fit_cmd(
+    model: Optional[str] = typer.Option(None, "-m", "--model", help="Target: a GGUF path or a models.toml name (default: the models.toml default)."),
+    draft: Optional[str] = typer.Option(None, "-d", "--draft", help="Draft model: a GGUF path or a models.toml name."),
+    lookup: bool = typer.Option(False, "--lookup", help="No draft model (prompt lookup)."),
+    ctx: int = typer.Option(4096, "-c", "--ctx", help="Context size in tokens."),
+    ngl: int = typer.Option(-1, "--ngl", help="Target layers on the GPU (-1 = all)."),
+    draft_ngl: int = typer.Option(-1, "--draft-ngl", help="Draft layers on the GPU (-1 = all)."),
+    kv_type: str = typer.Option("f16", "--kv-type", help="KV cache type: f16, q8_0 or q4_0."),
+    overhead_gb: float = typer.Option(2.0, "--overhead-gb", help="Compute buffers and runtime, in GB (the guide's 2)."),
+    n_draft: int = typer.Option(5, "--n-draft", help="Draft tokens per step N (sizes the logits buffer)."),
+    device: Optional[str] = typer.Option(None, "--device", help="GPU to fit into, by index or name (default: the one with most free memory)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> int:
+    """Will the target, the draft and both KV caches fit in this machine's memory? Exit 0 yes, 3 no."""
+    from . import fit
+    from .llama import validate_ctx
+
+    validate_ctx(ctx)
+    if kv_type not in fit.KV_TYPES:
+        raise UsageError(f"--kv-type must be one of {', '.join(fit.KV_TYPES)}, got {kv_type!r}")
+    if ngl < -1 or draft_ngl < -1:
+        raise UsageError("--ngl and --draft-ngl must be -1 (all layers) or a layer count >= 0")
+    if not overhead_gb >= 0:
+        raise UsageError(f"--overhead-gb must be >= 0, got {overhead_gb}")
+    if not 1 <= n_draft <= 64:
+        raise UsageError(f"--n-draft must be between 1 and 64, got {n_draft}")
+
+    target, draft_shape, model_arg, draft_arg = _resolve_shapes(model, draft, lookup)
+    for shape in (target, draft_shape):
+        problem = fit.kv_type_problem(shape, kv_type) if shape is not None else None
+        if problem:
+            raise UsageError(problem)
+    memory = fit.detect_memory(device)
+    overhead = round(overhead_gb * fit.GB)
+    est = fit.estimate(target, draft_shape, n_ctx=ctx, kv_type=kv_type, n_draft=n_draft, overhead=overhead)
+    placement = fit.place(est, memory, ngl, draft_ngl)
+    ok = fit.fits(placement, memory)
+    need = placement.gpu_bytes if memory.kind == "gpu" else placement.ram_bytes
+    opts = dict(ctx=ctx, ngl=ngl, draft_ngl=draft_ngl, kv_type=kv_type, n_draft=n_draft, overhead=overhead)
+    suggestions = [] if ok else _suggestions(target, draft_shape, memory, est, opts, model_arg, draft_arg, lookup)
+
+    if json_out:
+        print(json.dumps(_fit_json(est, memory, placement, ok, suggestions)))
+    else:
+        _print_fit(est, memory, placement, ok, need, suggestions)
+    return 0 if ok else EXIT_DOES_NOT_FIT
+
+
+def _model_json(shape) -> dict | None:
+    if shape is None:
+        return None
+    return {"label": shape.label, "origin": shape.origin, "quant": shape.quant, "n_layer": shape.n_layer,
+            "n_head_kv": list(shape.n_head_kv), "head_dim_k": shape.head_dim_k, "head_dim_v": shape.head_dim_v,
+            "n_vocab": shape.n_vocab, "n_ctx_train": shape.n_ctx_train, "n_swa": shape.n_swa}
+
+
+def _fit_json(est, memory, placement, ok, suggestions) -> dict:
+    from .fit import padded_ctx
+
+    return {
+        "fits": ok,
+        "target": _model_json(est.target),
+        "draft": _model_json(est.draft),
+        "ctx": est.n_ctx,
+        "ctx_allocated": padded_ctx(est.n_ctx),
+        "kv_type": est.kv_type,
+        "n_draft": est.n_draft,
+        "bytes": {
+            "weights_target": est.weights_target, "weights_draft": est.weights_draft,
+            "kv_target": est.kv_target, "kv_draft": est.kv_draft,
+            "logits_target": est.logits_target, "logits_draft": est.logits_draft,
+            "overhead": est.overhead, "total": est.total, "flat_formula": est.flat,
+            "on_gpu": placement.gpu_bytes if memory.kind == "gpu" else 0,
+            "in_ram": placement.ram_bytes,
+        },
+        "memory": _memory_json(memory),
+        "suggestions": [{"kind": s.kind, "detail": s.detail, "command": s.command} for s in suggestions],
+    }
+
+
+def _print_fit(est, memory, placement, ok, need, suggestions) -> None:
+    """The human report on stdout: components table, both formulas, the verdict, suggestions."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .fit import gb, padded_ctx
+
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
+    has_draft = est.draft is not None
+    title = f"{est.target.label}" + (f" + {est.draft.label}" if has_draft else " (no draft model)")
+    table = Table(title=title)
+    for column in ("component", "target", "draft", "total"):
+        table.add_column(column, justify="left" if column == "component" else "right")
+
+    def row(name, t, d):
+        table.add_row(name, gb(t), gb(d) if has_draft else "-", gb(t + d))
+
+    row("weights", est.weights_target, est.weights_draft)
+    row(f"KV cache ({padded_ctx(est.n_ctx)} tokens, {est.kv_type})", est.kv_target, est.kv_draft)
+    row(f"logits (N={est.n_draft})", est.logits_target, est.logits_draft)
+    table.add_row("overhead", "", "", gb(est.overhead))
+    table.add_row("total", "", "", gb(est.total), style="bold")
+    console.print(table)
+    origins = f"facts: target from its {est.target.origin}" + (f", draft from its {est.draft.origin}" if has_draft else "")
+    console.print(origins, highlight=False)
+    console.print(f"guide's flat formula (target + draft + KV + overhead): {gb(est.flat)}; exact: {gb(est.total)}", highlight=False)
+    console.print(f"memory: {memory.name} via {memory.source}: {gb(memory.free)} free of {gb(memory.total)}"
+                  + (f" (other GPUs: {', '.join(memory.others)}; --device picks)" if memory.others else ""), highlight=False)
+    if memory.kind == "gpu":
+        console.print(f"on the GPU: {gb(placement.gpu_bytes)}; in RAM: {gb(placement.ram_bytes)} of {gb(memory.ram_free)} available", highlight=False)
+    if ok:
+        console.print(f"[bold green]fits[/]: needs {gb(need)}, {gb(memory.free - need)} to spare")
+        return
+    if need <= memory.total:
+        console.print(f"[bold red]does not fit[/] in free memory: needs {gb(need)}; it would fit in the {gb(memory.total)} total if other programs freed memory")
+    else:
+        console.print(f"[bold red]does not fit[/]: needs {gb(need)}, more than the {gb(memory.total)} total")
+    if not suggestions:
+        console.print("no smaller context, layer split or quantization makes it fit here", highlight=False)
+    for s in suggestions:
+        console.print(f"- {s.detail}:", highlight=False)
+        console.print(f"    {s.command}", highlight=False, markup=False, soft_wrap=True)
