@@ -187,17 +187,24 @@ def test_gemma_chat_with_lookup(gemma_path, tmp_path):
     assert "drafted:" in result.stderr
 
 
-def _read_until(fd: int, needle: bytes, buf: bytearray, timeout: float = 60) -> None:
-    """Read the pty into `buf` until `needle` appears after its current end."""
-    start, deadline = len(buf), time.monotonic() + timeout
-    while needle not in buf[start:]:
-        assert time.monotonic() < deadline, (needle, bytes(buf[-400:]))
-        ready, _, _ = select.select([fd], [], [], 0.5)
-        if ready:
-            try:
-                buf += os.read(fd, 4096)
-            except OSError:  # the child closed the terminal
-                raise AssertionError((needle, bytes(buf[-400:])))
+class Pty:
+    """The parent's side of a pty: reads into `buf`; `expect` consumes up to a needle."""
+
+    def __init__(self, fd: int):
+        self.fd, self.buf, self.pos = fd, bytearray(), 0
+
+    def expect(self, needle: bytes, timeout: float = 60) -> None:
+        """Wait until `needle` appears after the previous match; continue after it."""
+        deadline = time.monotonic() + timeout
+        while (found := self.buf.find(needle, self.pos)) < 0:
+            assert time.monotonic() < deadline, (needle, bytes(self.buf[-400:]))
+            ready, _, _ = select.select([self.fd], [], [], 0.5)
+            if ready:
+                try:
+                    self.buf += os.read(self.fd, 4096)
+                except OSError:  # the child closed the terminal
+                    raise AssertionError((needle, bytes(self.buf[-400:])))
+        self.pos = found + len(needle)
 
 
 @pytest.mark.gemma
@@ -211,25 +218,25 @@ def test_ctrl_c_stops_the_reply_not_the_session(gemma_path):
         stdin=slave, stdout=slave, stderr=slave, close_fds=True,
     )
     os.close(slave)
-    buf = bytearray()
+    term = Pty(master)
     try:
-        _read_until(master, b">>> ", buf)
+        term.expect(b">>> ")
         os.write(master, b"Tell me a very long story about a dragon.\n")
-        _read_until(master, b"tok/s", buf)  # the live line: the reply is streaming
+        term.expect(b"tok/s")  # the live line: the reply is streaming
         time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
-        _read_until(master, b"stop: interrupted", buf)
-        _read_until(master, b">>> ", buf)
+        term.expect(b"stop: interrupted")
+        term.expect(b">>> ")
         os.write(master, b"Say hello.\n")
-        _read_until(master, b"stop: ", buf)  # answered (up to -c: the context is small)
-        _read_until(master, b">>> ", buf)
+        term.expect(b"stop: ")  # answered (up to -c: the context is small)
+        term.expect(b">>> ")
         os.write(master, b"/exit\n")
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
         os.close(master)
-    assert b"Traceback" not in buf
+    assert b"Traceback" not in term.buf
 
 
 # --- pure parts ------------------------------------------------------------------------------------
@@ -259,3 +266,31 @@ def test_plain_format_keeps_each_turn_a_prefix_of_the_next():
     first = render_plain([("system", "S"), ("user", "hi")], add_assistant=True)
     second = render_plain([("system", "S"), ("user", "hi"), ("assistant", " hello"), ("user", "more")], add_assistant=True)
     assert second.startswith(first) and first.endswith("Assistant:")
+
+
+@pytest.mark.parametrize("leave", ["sigint", "ctrl-d"])
+def test_leaving_at_the_prompt_of_a_terminal_exits_0(pair_perturbed, leave):
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specli", "chat", "-m", str(pair_perturbed[0]), "--max-tokens", "4"],
+        stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+    )
+    os.close(slave)
+    term = Pty(master)
+    try:
+        term.expect(b">>> ")
+        os.write(master, b"hello\n")
+        term.expect(b"stop: ")
+        term.expect(b">>> ")
+        if leave == "sigint":
+            proc.send_signal(signal.SIGINT)
+        else:
+            os.write(master, b"\x04")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    assert b"Traceback" not in term.buf
