@@ -9,7 +9,7 @@ import dataclasses
 import json
 import sys
 import traceback
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -42,6 +42,51 @@ def _root(
     """Speculative decoding for local GGUF models."""
 
 
+# Options shared by the generating commands (run, chat), declared once.
+ModelOpt = Annotated[Optional[str], typer.Option("-m", "--model", help="Target model: a GGUF path or a models.toml name. Default: the embedded Gemma 3 270M.")]
+DraftOpt = Annotated[Optional[str], typer.Option("-d", "--draft", help="Draft model: a GGUF path or a models.toml name (same tokenizer as the target).")]
+LookupOpt = Annotated[bool, typer.Option("--lookup", help="Draft by prompt lookup (copying from the text so far); no draft model.")]
+TargetOnlyOpt = Annotated[bool, typer.Option("--target-only", help="Plain decoding with the target alone: the baseline.")]
+NDraftOpt = Annotated[Optional[int], typer.Option("-n", "--num-speculative-tokens", help="Draft tokens per step (default 5, or the models.toml suggestion).")]
+CtxOpt = Annotated[int, typer.Option("-c", "--ctx", help="Context size in tokens (prompt + output).")]
+NglOpt = Annotated[int, typer.Option("--ngl", help="Target layers to offload to the GPU (-1 = all).")]
+DraftNglOpt = Annotated[int, typer.Option("--draft-ngl", help="Draft model layers to offload to the GPU (-1 = all).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: physical cores).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr except errors.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log and tracebacks.")]
+ShowAcceptOpt = Annotated[bool, typer.Option("--show-accept", help="On a terminal, colour text that came from accepted drafts.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", help="Sampling temperature; 0 = greedy (deterministic).")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Keep the smallest set of tokens with this much probability (1 = off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Drop tokens below this fraction of the best token's probability (0 = off).")]
+RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", help="Penalise recently seen tokens (1 = off).")]
+RepeatLastNOpt = Annotated[int, typer.Option("--repeat-last-n", help="How many recent tokens the repeat penalty looks at.")]
+
+
+def _model_choice(
+    model, draft, lookup, target_only, n_draft, max_tokens, ctx, ngl, draft_ngl, threads,
+    temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
+) -> ModelChoice:  # fmt: skip
+    """Check the shared options (before any model loads) and bundle them."""
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+    sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed).validate()
+    return ModelChoice(model, draft, lookup, target_only, n_draft, ctx, ngl, draft_ngl, threads, sampling)
+
+
+def _load(the_plan, choice: ModelChoice, *, quiet: bool):
+    """Load the plan's models, with a spinner on a terminal."""
+    from .ui import stderr_console
+
+    if quiet or not sys.stderr.isatty():
+        return load(the_plan, choice)
+    names = the_plan.target_path.name + (f" and {the_plan.draft_path.name}" if the_plan.draft_path else "")
+    with stderr_console().status(f"loading {names}"):
+        return load(the_plan, choice)
+
+
 def _read_prompt(prompt: Optional[str]) -> str:
     """The prompt argument, or stdin for '-' (or when omitted and stdin is piped); UTF-8 only."""
     if prompt is None or prompt == "-":
@@ -63,48 +108,40 @@ def _read_prompt(prompt: Optional[str]) -> str:
 @app.command()
 def run(
     prompt: Optional[str] = typer.Argument(None, help="Text to continue. '-' (or nothing, with piped input) reads stdin."),
-    model: Optional[str] = typer.Option(None, "-m", "--model", help="Target model: a GGUF path or a models.toml name. Default: the embedded Gemma 3 270M."),
-    draft: Optional[str] = typer.Option(None, "-d", "--draft", help="Draft model: a GGUF path or a models.toml name (same tokenizer as the target)."),
-    lookup: bool = typer.Option(False, "--lookup", help="Draft by prompt lookup (copying from the prompt and output so far); no draft model."),
-    target_only: bool = typer.Option(False, "--target-only", help="Plain decoding with the target alone: the baseline."),
-    n_draft: Optional[int] = typer.Option(None, "-n", "--num-speculative-tokens", help="Draft tokens per step (default 5, or the models.toml suggestion)."),
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    lookup: LookupOpt = False,
+    target_only: TargetOnlyOpt = False,
+    n_draft: NDraftOpt = None,
     max_tokens: int = typer.Option(256, "--max-tokens", help="Stop after this many generated tokens."),
-    ctx: int = typer.Option(4096, "-c", "--ctx", help="Context size in tokens (prompt + output)."),
-    ngl: int = typer.Option(-1, "--ngl", help="Target layers to offload to the GPU (-1 = all)."),
-    draft_ngl: int = typer.Option(-1, "--draft-ngl", help="Draft model layers to offload to the GPU (-1 = all)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
+    ctx: CtxOpt = 4096,
+    ngl: NglOpt = -1,
+    draft_ngl: DraftNglOpt = -1,
+    threads: ThreadsOpt = None,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming text."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr except errors."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log and tracebacks."),
-    show_accept: bool = typer.Option(False, "--show-accept", help="On a terminal, colour text that came from accepted drafts."),
-    temperature: float = typer.Option(0.8, "--temperature", "--temp", help="Sampling temperature; 0 = greedy (deterministic)."),
-    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Keep the smallest set of tokens with this much probability (1 = off)."),
-    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens below this fraction of the best token's probability (0 = off)."),
-    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalise recently seen tokens (1 = off)."),
-    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the repeat penalty looks at."),
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+    show_accept: ShowAcceptOpt = False,
+    temperature: TemperatureOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling (default: a fresh one, reported in --json)."),
 ) -> int:
     """Generate a continuation of PROMPT, streamed to stdout, with live stats on stderr."""
     from .llama import init_backend
-    from .ui import low_acceptance_warning, stderr_console, stream_generation, summary_line
+    from .ui import low_acceptance_warning, stream_generation, summary_line
 
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be at least 1, got {threads}")
-    if max_tokens < 1:
-        raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
-    sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed).validate()
+    choice = _model_choice(
+        model, draft, lookup, target_only, n_draft, max_tokens, ctx, ngl, draft_ngl, threads,
+        temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
+    )  # fmt: skip
     text = _read_prompt(prompt)
-    choice = ModelChoice(model, draft, lookup, target_only, n_draft, ctx, ngl, draft_ngl, threads, sampling)
     init_backend(verbose=verbose)
     the_plan = plan(choice)
-
-    err = stderr_console()
-    if quiet or not sys.stderr.isatty():
-        loaded = load(the_plan, choice)
-    else:
-        with err.status(f"loading {the_plan.target_path.name}" + (f" and {the_plan.draft_path.name}" if the_plan.draft_path else "")):
-            loaded = load(the_plan, choice)
+    loaded = _load(the_plan, choice, quiet=quiet)
     try:
         model_tgt = loaded.model_tgt
         prompt_ids = model_tgt.tokenize(text, add_bos=model_tgt.vocab_info().add_bos)
@@ -152,51 +189,42 @@ def sampling_json(sampling: SamplingParams) -> dict:
 
 @app.command()
 def chat(
-    model: Optional[str] = typer.Option(None, "-m", "--model", help="Target model: a GGUF path or a models.toml name. Default: the embedded Gemma 3 270M."),
-    draft: Optional[str] = typer.Option(None, "-d", "--draft", help="Draft model: a GGUF path or a models.toml name (same tokenizer as the target)."),
-    lookup: bool = typer.Option(False, "--lookup", help="Draft by prompt lookup (copying from the conversation so far); no draft model."),
-    target_only: bool = typer.Option(False, "--target-only", help="Plain decoding with the target alone: the baseline."),
-    n_draft: Optional[int] = typer.Option(None, "-n", "--num-speculative-tokens", help="Draft tokens per step (default 5, or the models.toml suggestion)."),
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    lookup: LookupOpt = False,
+    target_only: TargetOnlyOpt = False,
+    n_draft: NDraftOpt = None,
     max_tokens: int = typer.Option(256, "--max-tokens", help="Generated tokens at most per reply."),
-    ctx: int = typer.Option(4096, "-c", "--ctx", help="Context size in tokens (the whole conversation + a reply)."),
-    ngl: int = typer.Option(-1, "--ngl", help="Target layers to offload to the GPU (-1 = all)."),
-    draft_ngl: int = typer.Option(-1, "--draft-ngl", help="Draft model layers to offload to the GPU (-1 = all)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
+    ctx: CtxOpt = 4096,
+    ngl: NglOpt = -1,
+    draft_ngl: DraftNglOpt = -1,
+    threads: ThreadsOpt = None,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt for the conversation."),
     template: Optional[str] = typer.Option(None, "--template", help="A llama.cpp built-in chat template (chatml, gemma, llama3, ...) instead of the model's own."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Nothing on stderr except errors."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show llama.cpp's log and tracebacks."),
-    show_accept: bool = typer.Option(False, "--show-accept", help="On a terminal, colour text that came from accepted drafts."),
-    temperature: float = typer.Option(0.8, "--temperature", "--temp", help="Sampling temperature; 0 = greedy (deterministic)."),
-    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Keep the smallest set of tokens with this much probability (1 = off)."),
-    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens below this fraction of the best token's probability (0 = off)."),
-    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalise recently seen tokens (1 = off)."),
-    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the repeat penalty looks at."),
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+    show_accept: ShowAcceptOpt = False,
+    temperature: TemperatureOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling (default: a fresh one per reply)."),
 ) -> int:
     """Chat with a model: replies streamed to stdout, per-turn stats on stderr; /help lists the commands."""
     from .chat import ChatOptions, ChatSession, LineReader, check_template_name, choose_formatter
     from .llama import init_backend
-    from .ui import stderr_console
 
-    # The same checks, in the same order, as `run`.
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be at least 1, got {threads}")
-    if max_tokens < 1:
-        raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
-    sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed).validate()
-    choice = ModelChoice(model, draft, lookup, target_only, n_draft, ctx, ngl, draft_ngl, threads, sampling)
+    choice = _model_choice(
+        model, draft, lookup, target_only, n_draft, max_tokens, ctx, ngl, draft_ngl, threads,
+        temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
+    )  # fmt: skip
     init_backend(verbose=verbose)
     if template is not None:
         check_template_name(template)  # before the (slow) load
     the_plan = plan(choice)
-
-    if quiet or not sys.stderr.isatty():
-        loaded = load(the_plan, choice)
-    else:
-        with stderr_console().status(f"loading {the_plan.target_path.name}" + (f" and {the_plan.draft_path.name}" if the_plan.draft_path else "")):
-            loaded = load(the_plan, choice)
+    loaded = _load(the_plan, choice, quiet=quiet)
     try:
         formatter, notice = choose_formatter(loaded.model_tgt, template)
         if notice and not quiet:
