@@ -1,8 +1,236 @@
 """`specli bench`: measure what speculative decoding gets on this machine, pair and prompts.
 
-Registers on the shared Typer `app`; cli.py imports this module once.
+Registers on the shared Typer `app`; cli.py imports this module once. The models load once;
+every configuration (target-only, then each N) runs in this process through SpeculativeDecoder,
+in the interleaved order of bench.schedule. The pure parts live in bench.py.
 """
 
 from __future__ import annotations
 
-from .cli import app  # noqa: F401
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from . import bench
+from .cli import (
+    CtxOpt, DraftNglOpt, DraftOpt, LookupOpt, MinPOpt, ModelOpt, NglOpt, QuietOpt, RepeatLastNOpt,
+    RepeatPenaltyOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, VerboseOpt, _load, _model_choice,
+    app, sampling_json,
+)  # fmt: skip
+from .errors import UsageError
+
+MATPLOTLIB_MISSING = "--plot needs matplotlib, which is not installed; pip install matplotlib"
+
+
+@app.command("bench")
+def bench_command(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    lookup: LookupOpt = False,
+    ns_text: str = typer.Option(",".join(map(str, bench.DEFAULT_NS)), "--n", "-n", help="Draft lengths N to measure, comma-separated (target-only always runs too)."),
+    repeat: int = typer.Option(1, "--repeat", help="Rounds: each runs every prompt and configuration once, interleaved; the tables show medians."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: one prompt per line, or JSONL with \"prompt\" and optional \"name\", \"scenario\". Default: the built-in set."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="Generated tokens per run (long-form runs twice this, short chat at most 48)."),
+    ctx: CtxOpt = 4096,
+    ngl: NglOpt = -1,
+    draft_ngl: DraftNglOpt = -1,
+    threads: ThreadsOpt = None,
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the raw numbers (one record per run) and the summary to this JSON file."),
+    csv_path: Optional[Path] = typer.Option(None, "--csv", help="Write one CSV row per run to this file."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw speedup vs N per scenario into this PNG (needs matplotlib)."),
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+    temperature: TemperatureOpt = 0.0,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
+    seed: Optional[int] = typer.Option(None, "--seed", help="Base seed when sampling: round r uses seed + r (default 0 + r)."),
+) -> int:
+    """Measure target-only vs speculative decoding for several N on a prompt set, and say
+    whether speculative decoding pays off. Greedy by default (--temperature 0), which measures
+    cleanly; --temperature > 0 samples, with a seed per round."""
+    from .llama import init_backend
+    from .loading import plan
+
+    ns = bench.parse_ns(ns_text)
+    if repeat < 1:
+        raise UsageError(f"--repeat must be at least 1, got {repeat}")
+    choice = _model_choice(
+        model, draft, lookup, False, None, max_tokens, ctx, ngl, draft_ngl, threads,
+        temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
+    )  # fmt: skip
+    prompts = bench.parse_prompt_file(prompts_file) if prompts_file else list(bench.BUILTIN_PROMPTS)
+    for path in (json_path, csv_path, plot_path):
+        _check_parent(path)
+    if plot_path is not None:
+        _require_matplotlib()  # before the (slow) measurement, not after it
+    init_backend(verbose=verbose)
+    the_plan = plan(choice)
+    loaded = _load(the_plan, choice, quiet=quiet)
+    try:
+        records = _measure(loaded, prompts, ns, repeat, max_tokens, choice.sampling, quiet=quiet or verbose)
+    finally:
+        loaded.close()
+
+    rows = bench.aggregate(records)
+    _report(rows, the_plan, ns, repeat)
+    settings = {
+        "target": str(the_plan.target_path), "draft": the_plan.draft_label, "ns": ns, "repeat": repeat,
+        "max_tokens": max_tokens, "ctx": ctx, "threads": threads, "sampling": sampling_json(choice.sampling),
+        "seed_base": seed if not choice.sampling.greedy else None,
+        "prompts": [dataclasses.asdict(p) for p in prompts],
+    }  # fmt: skip
+    if json_path:
+        bench.write_json(json_path, settings, records, rows)
+    if csv_path:
+        bench.write_csv(csv_path, records)
+    if plot_path:
+        _plot(plot_path, rows)
+    return 0
+
+
+def _check_parent(path: Path | None) -> None:
+    """Fail before measuring when an output file's folder does not exist."""
+    if path is not None and not path.parent.is_dir():
+        raise UsageError(f"cannot write {path}: folder {path.parent} does not exist")
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(MATPLOTLIB_MISSING) from None
+
+
+def _measure(loaded, prompts, ns, repeat, max_tokens, sampling, *, quiet: bool) -> list[dict]:
+    """Run bench.schedule with the loaded models; one record (dict) per run.
+
+    Needs `loaded` from loading.load (a drafting plan). The target-only decoder shares the
+    target model; the speculative one is the loaded decoder with n_draft set per run.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .engine import SpeculativeDecoder
+    from .ui import stderr_console
+
+    model_tgt = loaded.model_tgt
+    add_bos = model_tgt.vocab_info().add_bos
+    ids = [model_tgt.tokenize(p.text, add_bos=add_bos) for p in prompts]
+    for prompt, prompt_ids in zip(prompts, ids):
+        if len(prompt_ids) + 1 >= model_tgt.n_ctx:
+            raise UsageError(f"prompt '{prompt.name}' is {len(prompt_ids)} tokens but the context holds {model_tgt.n_ctx}; raise -c")
+    plain = SpeculativeDecoder(model_tgt, None, 0, sampling)
+    spec = loaded.decoder
+    _warm_up(plain, spec, ids[0], ns[0])
+    jobs = bench.schedule(len(prompts), ns, repeat)
+    records = []
+    show = not quiet and sys.stderr.isatty()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=stderr_console(), transient=True, disable=not show) as progress:
+        task = progress.add_task("bench", total=len(jobs))
+        for job in jobs:
+            prompt = prompts[job.prompt]
+            progress.update(task, description=f"round {job.round + 1}/{repeat} {prompt.name} " + (f"N={job.n}" if job.n else "target-only"))
+            decoder = plain if job.n == bench.TARGET_ONLY else spec
+            if job.n:
+                decoder.n_draft = job.n
+            if not sampling.greedy:
+                decoder.sampling = dataclasses.replace(sampling, seed=bench.run_seed(sampling.seed, job.round))
+            budget = bench.token_budget(prompt, max_tokens)
+            records.append(_one_run(decoder, ids[job.prompt], budget, job, prompt, loaded.plan.mode))
+            progress.advance(task)
+    return records
+
+
+def _warm_up(plain, spec, prompt_ids, n: int) -> None:
+    """A few untimed tokens through both decoders: the first runs of a process are slower
+    (allocations, caches), and that must not count against whichever configuration is first."""
+    spec.n_draft = n
+    for decoder in (plain, spec):
+        decoder.generate(prompt_ids, max_tokens=8).run()
+
+
+def _one_run(decoder, prompt_ids, budget, job, prompt, mode) -> dict:
+    """Generate once and return its record (see bench.RECORD_FIELDS)."""
+    gen = decoder.generate(prompt_ids, max_tokens=budget)
+    rejections = 0  # steps that ended at a rejected draft: for the estimate of α
+    for step in gen:
+        if step.n_drafted and step.n_accepted < step.n_drafted:
+            rejections += 1
+    st = gen.stats
+    return {
+        "round": job.round, "prompt": prompt.name, "scenario": prompt.scenario, "n_draft": job.n,
+        "drafter": mode if job.n else None, "seed": gen.seed, "max_tokens": budget,
+        "n_tokens": st.n_tokens, "stop_reason": gen.stop_reason, "tokens_per_s": st.tokens_per_s,
+        "generation_s": st.generation_s, "prompt_tokens": st.prompt_tokens, "prompt_s": st.prompt_s,
+        "drafted": st.drafted, "accepted": st.accepted, "rejections": rejections,
+        "acceptance_rate": st.acceptance_rate, "target_passes": st.target_passes,
+        "mean_tokens_per_pass": st.mean_tokens_per_pass, "draft_s": st.draft_s, "verify_s": st.verify_s,
+    }  # fmt: skip
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _report(rows: list[bench.Row], the_plan, ns: list[int], repeat: int) -> None:
+    """The tables, best N and verdicts, on stdout (Rich; plain text when not a terminal)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 160)
+    drafter = "prompt lookup" if the_plan.mode == "lookup" else f"draft model {the_plan.draft_path.name}"
+    out.print(f"target {the_plan.target_path.name}, {drafter}; median of {repeat} round(s) per configuration")
+    for scenario in dict.fromkeys(row.scenario for row in rows):
+        table = Table(title=scenario, title_justify="left")
+        for header in ("N", "tok/s", "speedup", "acceptance", "tokens/pass", "draft ms/tok", "verify ms/tok", "α", "c", "expected"):
+            table.add_column(header, justify="right")
+        for row in (r for r in rows if r.scenario == scenario):
+            table.add_row(
+                str(row.n) if row.n else "target-only", _fmt(row.tokens_per_s, ".1f"), _fmt(row.speedup, ".2f", "x"),
+                _fmt(row.acceptance, ".0%"), _fmt(row.tokens_per_pass, ".2f"), _fmt(row.draft_ms_per_token, ".2f"),
+                _fmt(row.verify_ms_per_token, ".2f"), _fmt(row.alpha, ".2f"), _fmt(row.cost_ratio, ".3f"),
+                _fmt(row.expected, ".2f", "x"),
+            )  # fmt: skip
+        out.print(table)
+    out.print(
+        "α: per-token acceptance (accepted / (accepted + rejecting steps)); c: draft time per drafted token / "
+        "target one-token pass time; expected: Leviathan et al. (1-α^(N+1))/((1-α)(Nc+1)), which ignores "
+        "that wider target passes cost more."
+    )
+    best = bench.best_per_scenario(rows)
+    overall = bench.best_overall(rows)
+    if overall:
+        out.print(f"Best N overall: {overall[0]} ({overall[1]:.2f}x, geometric mean over scenarios)")
+    for scenario in dict.fromkeys(row.scenario for row in rows):
+        word, why = bench.verdict(best.get(scenario), lookup=the_plan.mode == "lookup")
+        out.print(f"{scenario}: use speculative decoding? {word} — {why}")
+
+
+def _plot(path: Path, rows: list[bench.Row]) -> None:
+    """Speedup vs N, one line per scenario, with 1.0 (target-only) marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for scenario in dict.fromkeys(row.scenario for row in rows):
+        pts = [(r.n, r.speedup) for r in rows if r.scenario == scenario and r.n and r.speedup is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=scenario)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("N (draft tokens per step)")
+    ax.set_ylabel("speedup over target-only")
+    ax.legend(fontsize="small")
+    try:
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,385 @@
+"""The pure parts of `specli bench`: prompts, the run schedule, aggregation and the verdicts.
+
+Nothing here loads a model or times anything; `cli_bench.py` runs the schedule and renders.
+Vocabulary:
+- a *configuration* is a draft length N; N = 0 stands for target-only decoding (the baseline);
+- a *record* is one measured run: one prompt, one configuration, one round (a dict of numbers);
+- a *row* aggregates a scenario's records for one configuration (medians, pooled ratios).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .engine import MAX_DRAFT
+from .errors import UsageError
+
+DEFAULT_NS = (1, 2, 3, 5, 8, 12)
+TARGET_ONLY = 0  # the configuration "N = 0": no drafting
+
+# Verdict thresholds on the best measured speedup (the guide's terms).
+YES_AT = 1.2
+MAYBE_AT = 1.0
+
+LONG_FORM = "long-form"
+SHORT_CHAT = "short-chat"
+SHORT_CHAT_CAP = 48  # a chat reply under 50 tokens
+CUSTOM = "custom"
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One prompt of the set: a unique-ish name, the scenario it stands for, the text."""
+
+    name: str
+    scenario: str
+    text: str
+
+
+# The embedded Gemma 270M is a base model: every prompt is text to continue, not an order.
+_CODE_SNIPPET = '''\
+def parse_config(path):
+    settings = {}
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.split("=", 1)
+            settings[key.strip()] = value.strip()
+    return settings
+
+
+def get_int(settings, key, default=0):
+    value = settings.get(key)
+    if value is None:
+        return default
+    return int(value)
+'''
+
+_ARTICLE = (
+    "The town of Millbrook sits where two rivers meet, and for most of its history the rivers "
+    "decided its fortunes. In the nineteenth century a flour mill on the faster river ground the "
+    "grain of the whole valley. The railway arrived in 1871 and warehouses lined the riverbank, "
+    "until the flood of 1903 destroyed half of them and the mill with them. The council moved the "
+    "town centre uphill and turned the flood plain into a park, which still hosts the summer "
+    "market. A textile factory employed a third of the town until it closed in 1988; since then "
+    "Millbrook has drawn walkers and anglers, and the old railway line has become a cycling path "
+    "along the river. The population, which fell sharply after the factory closed, has slowly "
+    "recovered as families from the city moved in for the quiet streets and the good schools."
+)
+
+BUILTIN_PROMPTS: tuple[BenchPrompt, ...] = (
+    BenchPrompt("essay", LONG_FORM,
+                "A short history of the printing press\n\nChapter 1. Before Gutenberg\n\n"
+                "Long before the first book was printed in Europe, "),
+    BenchPrompt("chat", SHORT_CHAT,
+                "User: Hi! What is the capital of France?\nAssistant: The capital of France is Paris.\n"
+                "User: And how many people live there?\nAssistant:"),
+    BenchPrompt("code-gen", "code-generation",
+                'def is_prime(n: int) -> bool:\n    """Return True when n is a prime number."""\n'),
+    BenchPrompt("code-edit", "code-editing",
+                "# Original version:\n" + _CODE_SNIPPET
+                + "\n\n# The same code with type hints and docstrings:\n"
+                "def parse_config(path: str) -> dict[str, str]:\n"),
+    BenchPrompt("summary", "summarization", _ARTICLE + "\n\nSummary: Millbrook"),
+    BenchPrompt("story", "creative-writing",
+                "Once upon a time, in a village at the edge of a great forest, there lived a girl "
+                "named Elena who could hear the trees whispering to each other. One autumn morning,"),
+    BenchPrompt("french", "non-english",
+                "Il était une fois, dans un petit village au bord de la mer, un vieux pêcheur qui"),
+)
+
+
+def token_budget(prompt: BenchPrompt, max_tokens: int) -> int:
+    """The generated-token budget of one run: --max-tokens, except that long-form gets twice it
+    (256 by default: past 200 tokens) and short chat at most 48 (a reply under 50 tokens)."""
+    if prompt.scenario == LONG_FORM:
+        return 2 * max_tokens
+    if prompt.scenario == SHORT_CHAT:
+        return min(max_tokens, SHORT_CHAT_CAP)
+    return max_tokens
+
+
+# ------------------------------------------------------------------------------------------
+# Options
+
+
+def parse_ns(text: str) -> list[int]:
+    """`--n 2,4,8` -> [2, 4, 8] (sorted, no duplicates). Raises UsageError naming the bad item."""
+    ns: set[int] = set()
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            n = int(item)
+        except ValueError:
+            raise UsageError(f"--n takes draft lengths separated by commas, like 2,4,8; '{item}' is not a number") from None
+        if not 1 <= n <= MAX_DRAFT:
+            raise UsageError(f"--n values must be between 1 and {MAX_DRAFT} draft tokens per step, got {n}")
+        ns.add(n)
+    return sorted(ns)
+
+
+def parse_prompt_file(path: Path) -> list[BenchPrompt]:
+    """Read a prompt file: JSONL when its first non-blank line starts with '{' (each line an
+    object with "prompt" and optional "name", "scenario"), else one prompt per non-blank line.
+
+    Raises UsageError with one line naming the file and line number of the first problem.
+    """
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as err:
+        raise UsageError(f"cannot read the prompt file {path}: {err.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise UsageError(f"{path} line {line}: not UTF-8 text; convert the file first, e.g. with iconv") from None
+    numbered = [(i, line) for i, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not numbered:
+        raise UsageError(f"{path} has no prompts; write one prompt per line (or JSONL with \"prompt\")")
+    if numbered[0][1].lstrip().startswith("{"):
+        return [_jsonl_prompt(path, i, line) for i, line in numbered]
+    return [BenchPrompt(f"line-{i}", CUSTOM, line) for i, line in numbered]
+
+
+def _jsonl_prompt(path: Path, lineno: int, line: str) -> BenchPrompt:
+    """One JSONL line -> a prompt (name defaults to line-N, scenario to 'custom')."""
+    where = f"{path} line {lineno}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{where}: not valid JSON ({err.msg}); each line must be an object like {{\"prompt\": \"...\"}}") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"{where}: expected an object like {{\"prompt\": \"...\"}}, got {type(obj).__name__}")
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise UsageError(f"{where}: \"prompt\" must be a non-empty string")
+    fields = {}
+    for key, default in (("name", f"line-{lineno}"), ("scenario", CUSTOM)):
+        value = obj.get(key, default)
+        if not isinstance(value, str) or not value.strip():
+            raise UsageError(f"{where}: \"{key}\" must be a non-empty string when given")
+        fields[key] = value.strip()
+    return BenchPrompt(fields["name"], fields["scenario"], prompt)
+
+
+# ------------------------------------------------------------------------------------------
+# Schedule
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run to do: round r (0-based), prompt index, configuration N (0 = target-only)."""
+
+    round: int
+    prompt: int
+    n: int
+
+
+def schedule(n_prompts: int, ns: list[int], repeat: int) -> list[Job]:
+    """Every (round, prompt, configuration) once, interleaved: within a round each prompt runs
+    all configurations back to back, and the order of the configurations rotates by one each
+    round, so slow spells of the machine (and warm-up) hit every configuration alike."""
+    configs = [TARGET_ONLY, *ns]
+    jobs = []
+    for r in range(repeat):
+        shift = r % len(configs)
+        order = configs[shift:] + configs[:shift]
+        for p in range(n_prompts):
+            jobs.extend(Job(r, p, n) for n in order)
+    return jobs
+
+
+def run_seed(base: int | None, round_: int) -> int:
+    """The seed of every run in a round when sampling: base (--seed, default 0) + round, the same
+    for all configurations of that round so they face comparable draws."""
+    return (base or 0) + round_
+
+
+# ------------------------------------------------------------------------------------------
+# Formula, aggregation, verdicts
+
+
+def expected_speedup(alpha: float, n: int, c: float) -> float:
+    """Leviathan et al. 2023: expected walltime gain (1 - α^(N+1)) / ((1 - α)(N c + 1)) for
+    per-token acceptance α, N drafts per step and draft cost c (per token, relative to a target
+    pass). It assumes a target pass costs the same for 1 and N+1 tokens."""
+    if not 0 <= alpha <= 1 or n < 0 or c < 0:
+        raise ValueError("need 0 <= alpha <= 1, n >= 0, c >= 0")
+    tokens_per_pass = n + 1 if alpha == 1 else (1 - alpha ** (n + 1)) / (1 - alpha)
+    return tokens_per_pass / (n * c + 1)
+
+
+def alpha_estimate(accepted: int, rejections: int) -> float | None:
+    """Per-token acceptance α, the maximum-likelihood estimate under Leviathan's model (each draft
+    kept independently with probability α until the first rejection): accepted tokens over
+    accepted tokens + steps that ended in a rejection. None when nothing was judged."""
+    judged = accepted + rejections
+    return accepted / judged if judged else None
+
+
+@dataclass
+class Row:
+    """One configuration of one scenario, aggregated over its prompts and rounds."""
+
+    scenario: str
+    n: int  # 0 = target-only
+    runs: int
+    tokens_per_s: float | None  # median over runs
+    speedup: float | None  # tokens_per_s / target-only tokens_per_s of the scenario
+    acceptance: float | None  # accepted / drafted, pooled
+    alpha: float | None  # see alpha_estimate
+    tokens_per_pass: float | None  # generated tokens / target passes, pooled
+    draft_ms_per_token: float | None  # draft time per generated token
+    verify_ms_per_token: float | None  # target pass + verification time per generated token
+    cost_ratio: float | None  # c: draft time per drafted token / target one-token pass time
+    expected: float | None  # expected_speedup(alpha, n, c)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _pooled(records: list[dict], key: str) -> float:
+    return sum(r[key] for r in records)
+
+
+def aggregate(records: list[dict]) -> list[Row]:
+    """Rows per (scenario, configuration), scenarios in first-seen order, target-only first.
+
+    Needs records with: scenario, n_draft, tokens_per_s, n_tokens, drafted, accepted,
+    rejections, target_passes, draft_s, verify_s. Speedups compare medians of tokens/s; the
+    target's one-token pass time (for c) is verify time / passes pooled over its target-only runs.
+    """
+    groups: dict[str, dict[int, list[dict]]] = {}
+    for rec in records:
+        groups.setdefault(rec["scenario"], {}).setdefault(rec["n_draft"], []).append(rec)
+    rows = []
+    for scenario, by_n in groups.items():
+        base = by_n.get(TARGET_ONLY, [])
+        base_tps = _median([r["tokens_per_s"] for r in base])
+        pass_s = _ratio(_pooled(base, "verify_s"), _pooled(base, "target_passes")) if base else None
+        for n in sorted(by_n):
+            rows.append(_row(scenario, n, by_n[n], base_tps, pass_s))
+    return rows
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _row(scenario: str, n: int, recs: list[dict], base_tps: float | None, pass_s: float | None) -> Row:
+    """Aggregate one configuration's records (see aggregate)."""
+    tps = _median([r["tokens_per_s"] for r in recs])
+    tokens, drafted = _pooled(recs, "n_tokens"), _pooled(recs, "drafted")
+    accepted, passes = _pooled(recs, "accepted"), _pooled(recs, "target_passes")
+    alpha = alpha_estimate(accepted, _pooled(recs, "rejections")) if n else None
+    draft_per_token = _ratio(_pooled(recs, "draft_s"), drafted) if n else None
+    c = draft_per_token / pass_s if draft_per_token is not None and pass_s else None
+    ms = lambda key: 1000 * _pooled(recs, key) / tokens if tokens else None  # noqa: E731
+    return Row(
+        scenario=scenario, n=n, runs=len(recs), tokens_per_s=tps,
+        speedup=tps / base_tps if tps is not None and base_tps else None,
+        acceptance=_ratio(accepted, drafted) if n else None, alpha=alpha,
+        tokens_per_pass=_ratio(tokens, passes), draft_ms_per_token=ms("draft_s"),
+        verify_ms_per_token=ms("verify_s"), cost_ratio=c,
+        expected=expected_speedup(alpha, n, c) if n and alpha is not None and c is not None else None,
+    )  # fmt: skip
+
+
+def best_per_scenario(rows: list[Row]) -> dict[str, Row]:
+    """The speculative row with the highest measured speedup, per scenario (scenarios whose
+    speculative rows have no speedup are left out)."""
+    best: dict[str, Row] = {}
+    for row in rows:
+        if row.n == TARGET_ONLY or row.speedup is None:
+            continue
+        if row.scenario not in best or row.speedup > best[row.scenario].speedup:
+            best[row.scenario] = row
+    return best
+
+
+def best_overall(rows: list[Row]) -> tuple[int, float] | None:
+    """(N, geometric-mean speedup over scenarios) for the N that is best across all scenarios;
+    only N measured in every scenario count. None when there is nothing to compare."""
+    by_n: dict[int, list[float]] = {}
+    scenarios = {row.scenario for row in rows}
+    for row in rows:
+        if row.n != TARGET_ONLY and row.speedup is not None and row.speedup > 0:
+            by_n.setdefault(row.n, []).append(row.speedup)
+    means = {n: math.exp(statistics.fmean(map(math.log, s))) for n, s in by_n.items() if len(s) == len(scenarios)}
+    if not means:
+        return None
+    n = max(means, key=lambda k: (means[k], -k))  # ties: the shorter draft
+    return n, means[n]
+
+
+def verdict(best: Row | None, *, lookup: bool = False) -> tuple[str, str]:
+    """("yes" | "maybe" | "no", why) for a scenario, from its best speculative row:
+    yes at a best speedup >= 1.2, maybe from 1.0 up to 1.2, no below 1.0. `lookup` words the
+    likely cause for prompt lookup rather than a draft model."""
+    if best is None or best.speedup is None:
+        return "no", "nothing measured"
+    gain = f"best N={best.n}: {best.speedup:.2f}x target-only"
+    if best.acceptance is not None:
+        gain += f", {best.acceptance:.0%} of drafts accepted"
+    if best.speedup >= YES_AT:
+        return "yes", gain
+    reason = _why_slow(best, lookup)
+    if best.speedup >= MAYBE_AT:
+        return "maybe", f"{gain}; a small gain that machine noise can hide{reason}"
+    return "no", f"{gain}; drafting costs more than it saves{reason}"
+
+
+def _why_slow(best: Row, lookup: bool) -> str:
+    """The likeliest cause of a weak result, as a clause."""
+    if best.acceptance is None:
+        return " (nothing was drafted: the text has nothing for lookup to copy)" if lookup else " (nothing was drafted)"
+    if best.acceptance < 0.5:
+        fix = "lookup suits text that repeats its input" if lookup else "try a better-matched draft or a smaller N"
+        return f" (low acceptance: {fix})"
+    if best.cost_ratio is not None and best.cost_ratio > 0.3:
+        return f" (drafting costs {best.cost_ratio:.2f} of a target pass per drafted token)"
+    return " (wider target passes cost more than they save here)"
+
+
+# ------------------------------------------------------------------------------------------
+# Output files
+
+RECORD_FIELDS = (
+    "round", "prompt", "scenario", "n_draft", "drafter", "seed", "max_tokens", "n_tokens",
+    "stop_reason", "tokens_per_s", "generation_s", "prompt_tokens", "prompt_s", "drafted",
+    "accepted", "rejections", "acceptance_rate", "target_passes", "mean_tokens_per_pass",
+    "draft_s", "verify_s",
+)  # fmt: skip
+
+
+def write_json(path: Path, settings: dict, records: list[dict], rows: list[Row]) -> None:
+    """{"settings", "runs" (one record per run), "summary" (the aggregated rows)} as JSON."""
+    doc = {"settings": settings, "runs": records, "summary": [asdict(row) for row in rows]}
+    _write(path, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+
+
+def write_csv(path: Path, records: list[dict]) -> None:
+    """One row per run, columns RECORD_FIELDS."""
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=RECORD_FIELDS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(records)
+    _write(path, buf.getvalue())
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror}") from None

@@ -1,0 +1,277 @@
+"""`specli bench`: the pure parts (formula, aggregation, verdicts, schedule, prompt files) and
+one real run through a subprocess. No timing thresholds anywhere: only structure and arithmetic."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specli import bench
+from specli.errors import UsageError
+
+
+# --- expected speedup (Leviathan et al. 2023) ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "alpha, n, c, hand",
+    [
+        (0.8, 4, 0.0, (1 - 0.8**5) / 0.2),  # 3.3616 tokens per pass at no draft cost
+        (0.8, 4, 0.05, 3.3616 / 1.2),  # = 2.8013
+        (0.5, 1, 0.1, 1.5 / 1.1),  # one draft: 1 + α tokens per pass
+        (0.0, 5, 0.2, 1 / 2.0),  # nothing accepted: pure loss
+        (1.0, 3, 0.1, 4 / 1.3),  # every draft accepted: N + 1 tokens per pass
+        (0.9, 0, 0.5, 1.0),  # no drafting: no change
+    ],
+)
+def test_expected_speedup_matches_hand_values(alpha, n, c, hand):
+    assert bench.expected_speedup(alpha, n, c) == pytest.approx(hand, rel=1e-9)
+
+
+def test_expected_speedup_is_continuous_at_full_acceptance():
+    assert bench.expected_speedup(1 - 1e-9, 5, 0.1) == pytest.approx(bench.expected_speedup(1.0, 5, 0.1), rel=1e-6)
+
+
+def test_expected_speedup_rejects_out_of_range_inputs():
+    with pytest.raises(ValueError):
+        bench.expected_speedup(1.5, 3, 0.1)
+
+
+def test_alpha_is_accepted_over_judged():
+    # 6 accepted drafts, 2 steps that stopped at a rejection: α = 6 / 8.
+    assert bench.alpha_estimate(6, 2) == 0.75
+    assert bench.alpha_estimate(0, 0) is None
+
+
+# --- verdicts ------------------------------------------------------------------------------
+
+
+def row(scenario="s", n=3, speedup=1.0, acceptance=0.8, cost_ratio=0.05, tps=100.0) -> bench.Row:
+    return bench.Row(scenario, n, 1, tps, speedup, acceptance, acceptance, 2.0, 0.1, 1.0, cost_ratio, 1.5)
+
+
+@pytest.mark.parametrize(
+    "speedup, word",
+    [(2.0, "yes"), (1.2, "yes"), (1.1999, "maybe"), (1.0, "maybe"), (0.9999, "no"), (0.5, "no")],
+)
+def test_verdict_thresholds(speedup, word):
+    got, why = bench.verdict(row(speedup=speedup))
+    assert got == word
+    assert "N=3" in why
+
+
+def test_verdict_names_the_likely_cause():
+    assert "low acceptance" in bench.verdict(row(speedup=0.8, acceptance=0.3))[1]
+    assert "0.60 of a target pass" in bench.verdict(row(speedup=0.8, cost_ratio=0.6))[1]
+    assert "nothing for lookup to copy" in bench.verdict(row(speedup=0.95, acceptance=None), lookup=True)[1]
+    assert bench.verdict(None) == ("no", "nothing measured")
+
+
+# --- aggregation, best N -------------------------------------------------------------------
+
+
+def record(scenario, n, tps, *, tokens=10, drafted=0, accepted=0, rejections=0, passes=10, draft_s=0.0, verify_s=0.1):
+    return {
+        "scenario": scenario, "n_draft": n, "tokens_per_s": tps, "n_tokens": tokens, "drafted": drafted,
+        "accepted": accepted, "rejections": rejections, "target_passes": passes, "draft_s": draft_s,
+        "verify_s": verify_s,
+    }  # fmt: skip
+
+
+def test_aggregate_takes_medians_and_pools_ratios():
+    records = [
+        record("a", 0, 100.0), record("a", 0, 90.0), record("a", 0, 300.0),  # median 100
+        record("a", 2, 150.0, drafted=8, accepted=6, rejections=2, passes=4, draft_s=0.008, verify_s=0.08),
+        record("a", 2, 170.0, drafted=8, accepted=2, rejections=4, passes=6, draft_s=0.008, verify_s=0.08),
+        record("a", 2, 110.0, drafted=8, accepted=4, rejections=3, passes=5, draft_s=0.008, verify_s=0.08),
+    ]
+    base, spec = bench.aggregate(records)
+    assert (base.n, base.tokens_per_s, base.speedup, base.runs) == (0, 100.0, 1.0, 3)
+    assert base.acceptance is None and base.expected is None
+    assert spec.tokens_per_s == 150.0 and spec.speedup == pytest.approx(1.5)
+    assert spec.acceptance == pytest.approx(12 / 24)
+    assert spec.alpha == pytest.approx(12 / (12 + 9))
+    assert spec.tokens_per_pass == pytest.approx(30 / 15)
+    # Target one-token pass: 0.3 s / 30 passes = 10 ms; draft: 0.024 s / 24 drafted = 1 ms -> c = 0.1.
+    assert spec.cost_ratio == pytest.approx(0.1)
+    assert spec.expected == pytest.approx(bench.expected_speedup(12 / 21, 2, 0.1))
+    assert spec.draft_ms_per_token == pytest.approx(1000 * 0.024 / 30)
+
+
+def test_aggregate_keeps_scenarios_apart_in_first_seen_order():
+    records = [record("b", 3, 50.0), record("a", 0, 10.0), record("b", 0, 100.0), record("a", 3, 20.0)]
+    rows = bench.aggregate(records)
+    assert [(r.scenario, r.n) for r in rows] == [("b", 0), ("b", 3), ("a", 0), ("a", 3)]
+    assert [r.speedup for r in rows] == [1.0, 0.5, 1.0, 2.0]
+
+
+def test_best_n_per_scenario_and_overall():
+    rows = [
+        row("a", 0, 1.0), row("a", 2, 1.5), row("a", 5, 2.0),
+        row("b", 0, 1.0), row("b", 2, 1.2), row("b", 5, 0.8),
+    ]  # fmt: skip
+    best = bench.best_per_scenario(rows)
+    assert best["a"].n == 5 and best["b"].n == 2
+    n, gmean = bench.best_overall(rows)
+    assert n == 2 and gmean == pytest.approx(math.sqrt(1.5 * 1.2))  # 1.342 beats sqrt(2 * 0.8) = 1.265
+
+
+def test_best_overall_needs_an_n_measured_everywhere():
+    assert bench.best_overall([row("a", 0, 1.0)]) is None
+
+
+# --- schedule ------------------------------------------------------------------------------
+
+
+def test_schedule_runs_everything_once_per_round_interleaved():
+    jobs = bench.schedule(2, [1, 3], repeat=3)
+    assert len(jobs) == 3 * 2 * 3 and len(set(jobs)) == len(jobs)
+    first_round = [(j.prompt, j.n) for j in jobs if j.round == 0]
+    # Within a round a prompt runs every configuration back to back, target-only included.
+    assert first_round == [(0, 0), (0, 1), (0, 3), (1, 0), (1, 1), (1, 3)]
+    # The order of configurations rotates each round, so no configuration is always first.
+    firsts = [next(j.n for j in jobs if j.round == r) for r in range(3)]
+    assert firsts == [0, 1, 3]
+    # Rounds do not overlap: all of round r comes before round r + 1.
+    assert [j.round for j in jobs] == sorted(j.round for j in jobs)
+
+
+def test_seeds_change_per_round_not_per_configuration():
+    assert [bench.run_seed(None, r) for r in range(3)] == [0, 1, 2]
+    assert bench.run_seed(40, 2) == 42
+
+
+def test_parse_ns():
+    assert bench.parse_ns("8, 2,4,2") == [2, 4, 8]
+    for bad, fragment in (("2,x", "'x' is not a number"), ("0", "between 1 and 64"), ("65", "got 65"), ("", "not a number")):
+        with pytest.raises(UsageError, match=fragment):
+            bench.parse_ns(bad)
+
+
+# --- built-in prompts and prompt files -----------------------------------------------------
+
+
+def test_builtin_prompts_cover_the_scenarios():
+    scenarios = {p.scenario for p in bench.BUILTIN_PROMPTS}
+    assert scenarios == {
+        "long-form", "short-chat", "code-generation", "code-editing", "summarization", "creative-writing", "non-english",
+    }  # fmt: skip
+    assert len({p.name for p in bench.BUILTIN_PROMPTS}) == len(bench.BUILTIN_PROMPTS)
+    long_form = next(p for p in bench.BUILTIN_PROMPTS if p.scenario == "long-form")
+    chat = next(p for p in bench.BUILTIN_PROMPTS if p.scenario == "short-chat")
+    assert bench.token_budget(long_form, 128) > 200 and bench.token_budget(chat, 128) < 50
+    assert bench.token_budget(chat, 8) == 8
+
+
+def test_plain_prompt_file_is_one_prompt_per_line(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("first prompt\n\n  \nsecond {not json}\n", encoding="utf-8")
+    prompts = bench.parse_prompt_file(path)
+    assert [(p.name, p.scenario, p.text) for p in prompts] == [
+        ("line-1", "custom", "first prompt"), ("line-4", "custom", "second {not json}"),
+    ]  # fmt: skip
+
+
+def test_jsonl_prompt_file(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a\\nb", "name": "x", "scenario": "code"}\n\n{"prompt": "c"}\n', encoding="utf-8")
+    prompts = bench.parse_prompt_file(path)
+    assert [(p.name, p.scenario, p.text) for p in prompts] == [("x", "code", "a\nb"), ("line-3", "custom", "c")]
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ('{"prompt": "ok"}\n{"prompt": broken\n', "line 2: not valid JSON"),
+        ('{"prompt": "ok"}\n\n["a list"]\n', "line 3: expected an object"),
+        ('{"name": "no prompt"}\n', "line 1: \"prompt\" must be a non-empty string"),
+        ('{"prompt": "ok", "scenario": 3}\n', "line 1: \"scenario\" must be a non-empty string"),
+        ("\n  \n", "has no prompts"),
+    ],
+)
+def test_prompt_file_errors_name_the_line(tmp_path, content, fragment):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(UsageError) as err:
+        bench.parse_prompt_file(path)
+    message = str(err.value)
+    assert fragment in message and "\n" not in message
+
+
+def test_prompt_file_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"fine\nbad \xff byte\n")
+    with pytest.raises(UsageError, match="line 2: not UTF-8"):
+        bench.parse_prompt_file(path)
+
+
+# --- the command, for real -----------------------------------------------------------------
+
+
+def specli(*args: str, cwd=None):
+    return subprocess.run([sys.executable, "-m", "specli", *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=dict(os.environ))
+
+
+def test_bench_command_runs_every_configuration(pair_perturbed, tmp_path):
+    target, draft = map(str, pair_perturbed)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        '{"prompt": "Once upon a time", "name": "story", "scenario": "creative"}\n'
+        '{"prompt": "def main():", "name": "code"}\n', encoding="utf-8",
+    )  # fmt: skip
+    out_json, out_csv = tmp_path / "out.json", tmp_path / "out.csv"
+    result = specli(
+        "bench", "-m", target, "-d", draft, "--n", "1,3", "--max-tokens", "8", "--repeat", "1",
+        "--prompts", str(prompts), "--json", str(out_json), "--csv", str(out_csv),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out_json.read_text(encoding="utf-8"))
+    assert set(doc) == {"settings", "runs", "summary"}
+    assert doc["settings"]["ns"] == [1, 3] and doc["settings"]["sampling"]["greedy"] is True
+    runs = doc["runs"]
+    assert sorted((r["prompt"], r["n_draft"]) for r in runs) == [
+        ("code", 0), ("code", 1), ("code", 3), ("story", 0), ("story", 1), ("story", 3),
+    ]  # fmt: skip
+    for r in runs:
+        assert set(bench.RECORD_FIELDS) <= set(r)
+        assert 1 <= r["n_tokens"] <= 8 and r["stop_reason"] in {"eos", "max_tokens"}
+        assert (r["drafted"] == 0) == (r["n_draft"] == 0)
+        assert r["drafter"] == (None if r["n_draft"] == 0 else "draft-model")
+    assert sorted((s["scenario"], s["n"]) for s in doc["summary"]) == [
+        ("creative", 0), ("creative", 1), ("creative", 3), ("custom", 0), ("custom", 1), ("custom", 3),
+    ]  # fmt: skip
+    with out_csv.open(encoding="utf-8", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == len(runs) and tuple(rows[0]) == bench.RECORD_FIELDS
+    # The report: a table per scenario and a verdict each, nothing from the progress bar.
+    assert "use speculative decoding?" in result.stdout
+    assert result.stdout.count("use speculative decoding?") == 2 and "Best N overall" in result.stdout
+
+
+def test_bench_usage_errors_are_one_line(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "x"}\nnot json\n', encoding="utf-8")
+    for args, fragment in (
+        (("--prompts", str(bad)), "line 2"),
+        (("--n", "1,zero"), "'zero' is not a number"),
+        (("--repeat", "0"), "--repeat must be at least 1"),
+        (("--json", str(tmp_path / "missing" / "o.json")), "does not exist"),
+    ):
+        result = specli("bench", *args)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("specli: error: ") and fragment in lines[0]
+
+
+def test_plot_without_matplotlib_names_the_install(monkeypatch):
+    from specli import cli_bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails, installed or not
+    with pytest.raises(UsageError, match="pip install matplotlib"):
+        cli_bench._require_matplotlib()
