@@ -332,12 +332,23 @@ def cache_file(cache: Path, repo: str, filename: str, commit: str = "0123abcd" *
 
 
 def test_uncached_hf_source_says_how_to_download(hf_cache):
+    # A bare source (no registry entry) can only suggest the hf command.
     source = ModelSource(hf_repo="org/model-GGUF", hf_files=("model-Q4_K_M.gguf",))
     with pytest.raises(RegistryError) as info:
         resolve_source(source)
     assert str(info.value) == (
         "model org/model-GGUF/model-Q4_K_M.gguf is not downloaded; "
         "get it with: hf download org/model-GGUF model-Q4_K_M.gguf"
+    )
+
+
+def test_uncached_registry_entry_suggests_specli_pull_first(hf_cache):
+    entry = parse_registry(textwrap.dedent(GOOD_ENTRY)).get("tiny")
+    with pytest.raises(RegistryError) as info:
+        resolve_source(entry.target)
+    assert str(info.value) == (
+        "model org/tiny-GGUF/tiny-Q4_K_M.gguf is not downloaded; "
+        "get it with: specli pull tiny (or: hf download org/tiny-GGUF tiny-Q4_K_M.gguf)"
     )
 
 
@@ -363,8 +374,19 @@ def test_split_model_needs_every_part_and_resolves_to_the_first(hf_cache):
 
 def test_shipped_pair_not_downloaded_names_its_download_command(hf_cache):
     entry = load_registry().get("qwen-2.5-72b")
-    with pytest.raises(RegistryError, match="hf download bartowski/Qwen2.5-72B-Instruct-GGUF "):
+    with pytest.raises(RegistryError, match=r"get it with: specli pull qwen-2\.5-72b \(or: hf download bartowski/Qwen2\.5-72B-Instruct-GGUF "):
         resolve_source(entry.target)
+    # The draft of the pair is fetched by the same pull.
+    with pytest.raises(RegistryError, match=r"specli pull qwen-2\.5-72b"):
+        resolve_source(entry.draft)
+
+
+def test_long_hf_command_is_left_out_of_the_hint(hf_cache):
+    # Split files make a long hf command: `specli pull NAME` alone says it.
+    entry = load_registry().get("mistral-large")
+    with pytest.raises(RegistryError) as info:
+        resolve_source(entry.target)
+    assert str(info.value).endswith("get it with: specli pull mistral-large")
 
 
 # --- resolving package sources ------------------------------------------------------------------
@@ -436,3 +458,167 @@ def test_model_arg_unknown_name(tmp_path, monkeypatch):
     registry = parse_registry(textwrap.dedent(GOOD_ENTRY))
     with pytest.raises(RegistryError, match=r"unknown model 'huge'; known: tiny"):
         resolve_model_arg("huge", registry)
+
+
+# --- the user's own models.toml ---------------------------------------------------------------
+
+USER_FILE = """
+# My own pairs: one new, one shipped name replaced.
+default = "mine"
+
+[models.mine]
+description = "my own pair"
+draft = "lookup"
+n_speculative = 7
+
+[models.mine.target]
+hf_repo = "me/mine-GGUF"
+hf_file = "mine-Q4_K_M.gguf"
+
+[models."llama-3.1-70b"]
+description = "my Q8 of it"
+draft = "lookup"
+target = { hf_repo = "me/llama-GGUF", hf_file = "llama-Q8_0.gguf" }
+"""
+
+
+@pytest.fixture
+def no_user_registry(tmp_path, monkeypatch):
+    """No SPECLI_MODELS and an empty config dir, whatever the machine has."""
+    monkeypatch.delenv(reg.USER_REGISTRY_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path / "config" / "specli" / "models.toml"
+
+
+def test_without_a_user_file_the_shipped_registry_is_used(no_user_registry):
+    registry = reg.load_effective_registry()
+    assert registry.user_path is None
+    assert list(registry.entries) == list(load_registry().entries)
+
+
+def test_user_file_extends_and_overrides(tmp_path, no_user_registry):
+    path = write(tmp_path, USER_FILE, "mine.toml")
+    registry = reg.load_effective_registry(path)
+    shipped = load_registry()
+    # Shipped names keep their place, new ones come last.
+    assert list(registry.entries) == [*shipped.entries, "mine"]
+    assert registry.user_path == path and registry.path == shipped.path
+    # Same name: the whole entry is the user's.
+    llama = registry.get("llama-3.1-70b")
+    assert llama.description == "my Q8 of it" and llama.lookup and llama.acceptance is None
+    assert llama.target.hf_repo == "me/llama-GGUF" and llama.target.entry_name == "llama-3.1-70b"
+    assert registry.get("qwen-2.5-72b") == shipped.get("qwen-2.5-72b")
+    # `default` overridden, and is_default follows it.
+    assert registry.default_name == "mine" and registry.default.n_speculative == 7
+    assert [n for n, e in registry.entries.items() if e.is_default] == ["mine"]
+
+
+def test_user_file_may_only_add_entries_or_only_change_the_default(tmp_path, no_user_registry):
+    only_entry = write(tmp_path, USER_FILE.replace('default = "mine"', ""), "a.toml")
+    registry = reg.load_effective_registry(only_entry)
+    assert registry.default_name == "gemma3-270m" and registry.get("mine")
+    only_default = write(tmp_path, 'default = "phi-3-medium"\n', "b.toml")
+    registry = reg.load_effective_registry(only_default)
+    assert registry.default.name == "phi-3-medium" and registry.default.is_default
+    assert not registry.get("gemma3-270m").is_default
+
+
+def test_user_file_from_the_environment_variable(tmp_path, no_user_registry, monkeypatch):
+    path = write(tmp_path, USER_FILE, "env.toml")
+    monkeypatch.setenv(reg.USER_REGISTRY_ENV, str(path))
+    assert reg.load_effective_registry().user_path == path
+    # --registry wins over the variable.
+    other = write(tmp_path, 'default = "qwen-2.5-72b"\n', "opt.toml")
+    assert reg.load_effective_registry(other).default_name == "qwen-2.5-72b"
+
+
+def test_user_file_from_the_config_dir(tmp_path, no_user_registry, monkeypatch):
+    no_user_registry.parent.mkdir(parents=True)
+    no_user_registry.write_text(textwrap.dedent(USER_FILE), encoding="utf-8")
+    assert reg.user_registry_path() == no_user_registry
+    assert reg.load_effective_registry().get("mine").target.hf_repo == "me/mine-GGUF"
+    # Without XDG_CONFIG_HOME: ~/.config.
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert reg.user_config_dir() == tmp_path / "home" / ".config" / "specli"
+    assert reg.user_registry_path() is None  # that one does not exist
+
+
+def test_named_user_file_must_exist(tmp_path, no_user_registry, monkeypatch):
+    monkeypatch.setenv(reg.USER_REGISTRY_ENV, str(tmp_path / "gone.toml"))
+    with pytest.raises(RegistryError, match=r"cannot read model registry .*gone\.toml"):
+        reg.load_effective_registry()
+
+
+@pytest.mark.parametrize("old, new, line, key", [
+    ("n_speculative = 7", 'n_speculative = "seven"', 7, 'models.mine.n_speculative must be an integer >= 1, got "seven"'),
+    ('default = "mine"', 'default = "theirs"', 2, "default names unknown model 'theirs'"),
+    ('hf_repo = "me/mine-GGUF"', 'hf_repos = "me/mine-GGUF"', 10, "models.mine.target.hf_repos is not a known key"),
+    ('draft = "lookup"\nn_speculative', 'draft = "lokup"\nn_speculative', 6, 'models.mine.draft must be "lookup" or a table'),
+    ('description = "my own pair"', 'description = "unterminated', 5, "invalid TOML"),
+])
+def test_broken_user_file_names_its_path_line_and_key(tmp_path, no_user_registry, old, new, line, key):
+    assert old in USER_FILE
+    path = write(tmp_path, USER_FILE.replace(old, new), "broken.toml")
+    with pytest.raises(RegistryError) as info:
+        reg.load_effective_registry(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:{line}: "), message
+    assert key in message and "\n" not in message
+
+
+def test_unknown_name_mentions_the_user_file(tmp_path, no_user_registry):
+    path = write(tmp_path, USER_FILE, "mine.toml")
+    with pytest.raises(RegistryError, match=rf"known: .*, mine \(see models.toml and {path}\)"):
+        reg.load_effective_registry(path).get("nope")
+
+
+def test_models_command_reads_the_user_file(tmp_path):
+    # Through the CLI: --registry, then the variable, then a broken file's one-line error.
+    import json
+    import os
+    import subprocess
+
+    path = write(tmp_path, USER_FILE, "mine.toml")
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config"), "HF_HUB_OFFLINE": "1",
+           "HF_HUB_CACHE": str(tmp_path / "hub")}
+    env.pop(reg.USER_REGISTRY_ENV, None)
+
+    def models(*args, **extra):
+        return subprocess.run([sys.executable, "-m", "specli", "models", "--json", *args],
+                              capture_output=True, text=True, timeout=60, env={**env, **extra})
+
+    for result in (models("--registry", str(path)), models(**{reg.USER_REGISTRY_ENV: str(path)})):
+        assert result.returncode == 0, result.stderr
+        rows = {r["name"]: r for r in json.loads(result.stdout)}
+        assert rows["mine"]["default"] and rows["llama-3.1-70b"]["description"] == "my Q8 of it"
+    broken = write(tmp_path, USER_FILE.replace("n_speculative = 7", "n_speculative = 0"), "broken.toml")
+    result = models("--registry", str(broken))
+    assert result.returncode == EXIT_USAGE and result.stdout == ""
+    assert result.stderr.strip() == (
+        f"specli: error: {broken}:7: models.mine.n_speculative must be an integer >= 1, got 0"
+    )
+
+
+def test_fit_and_run_see_the_user_file(tmp_path):
+    # fit through --registry, run through the variable only (run/chat have no --registry).
+    import os
+    import subprocess
+
+    path = write(tmp_path, USER_FILE, "mine.toml")
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config"), "HF_HUB_OFFLINE": "1",
+           "HF_HUB_CACHE": str(tmp_path / "hub")}
+    env.pop(reg.USER_REGISTRY_ENV, None)
+
+    def specli(*args, **extra):
+        return subprocess.run([sys.executable, "-m", "specli", *args],
+                              capture_output=True, text=True, timeout=60, env={**env, **extra})
+
+    fit = specli("fit", "-m", "mine", "--registry", str(path))
+    assert fit.returncode == EXIT_USAGE and "me/mine-GGUF" in fit.stderr
+    run = specli("run", "hi", **{reg.USER_REGISTRY_ENV: str(path)})  # the user's default: "mine"
+    assert run.returncode == EXIT_USAGE
+    assert run.stderr.strip() == (
+        "specli: error: model me/mine-GGUF/mine-Q4_K_M.gguf is not downloaded; "
+        "get it with: specli pull mine (or: hf download me/mine-GGUF mine-Q4_K_M.gguf)"
+    )

