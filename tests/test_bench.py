@@ -4,6 +4,7 @@ one real run through a subprocess. No timing thresholds anywhere: only structure
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -70,6 +71,8 @@ def test_verdict_names_the_likely_cause():
     assert "low acceptance" in bench.verdict(row(speedup=0.8, acceptance=0.3))[1]
     assert "0.60 of a target pass" in bench.verdict(row(speedup=0.8, cost_ratio=0.6))[1]
     assert "nothing for lookup to copy" in bench.verdict(row(speedup=0.95, acceptance=None), lookup=True)[1]
+    little = dataclasses.replace(row(speedup=1.1, acceptance=1.0), tokens_per_pass=1.3)
+    assert "little to copy: 1.30 tokens per target pass" in bench.verdict(little, lookup=True)[1]
     assert bench.verdict(None) == ("no", "nothing measured")
 
 

@@ -342,6 +342,8 @@ def _why_slow(best: Row, lookup: bool) -> str:
     """The likeliest cause of a weak result, as a clause."""
     if best.acceptance is None:
         return " (nothing was drafted: the text has nothing for lookup to copy)" if lookup else " (nothing was drafted)"
+    if lookup and best.tokens_per_pass is not None and best.tokens_per_pass < 1.5:
+        return f" (lookup found little to copy: {best.tokens_per_pass:.2f} tokens per target pass)"
     if best.acceptance < 0.5:
         fix = "lookup suits text that repeats its input" if lookup else "try a better-matched draft or a smaller N"
         return f" (low acceptance: {fix})"
