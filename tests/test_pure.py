@@ -86,6 +86,17 @@ def test_stats_definitions():
     assert stats.to_dict()["acceptance_by_position"] == [1.0, 0.5, 0.5, 0.5]
 
 
+def test_stats_add_sums_counts_times_and_positions():
+    a, b = Stats(), Stats()
+    a.record_step(2, 1, 2)
+    b.record_step(3, 3, 4)
+    a.generation_s, b.generation_s, b.prompt_reused = 1.0, 0.5, 7
+    a.add(b)
+    assert (a.n_tokens, a.drafted, a.accepted, a.target_passes) == (6, 5, 4, 2)
+    assert a.generation_s == 1.5 and a.prompt_reused == 7
+    assert a.drafted_at == [2, 2, 1] and a.accepted_at == [2, 1, 1]
+
+
 def test_stats_without_drafts_has_no_acceptance():
     stats = Stats()
     stats.record_step(0, 0, 1)

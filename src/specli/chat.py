@@ -155,36 +155,25 @@ class Totals:
     """Sums over the session's replies (for /stats)."""
 
     turns: int = 0
-    n_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_passes: int = 0
-    generation_s: float = 0.0
-    prompt_evaluated: int = 0
-    prompt_reused: int = 0
+    stats: Stats = field(default_factory=Stats)
 
     def add(self, stats: Stats) -> None:
         self.turns += 1
-        self.n_tokens += stats.n_tokens
-        self.drafted += stats.drafted
-        self.accepted += stats.accepted
-        self.target_passes += stats.target_passes
-        self.generation_s += stats.generation_s
-        self.prompt_evaluated += stats.prompt_tokens - stats.prompt_reused
-        self.prompt_reused += stats.prompt_reused
+        self.stats.add(stats)
 
     def describe(self, *, with_drafting: bool) -> str:
         """A few lines for /stats; the speedup is labelled for what it is."""
-        lines = [f"turns: {self.turns}, generated tokens: {self.n_tokens}"
-                 + (f" ({self.n_tokens / self.generation_s:.1f} tok/s)" if self.generation_s > 0 else ""),
-                 f"prompt tokens: {self.prompt_evaluated} evaluated, {self.prompt_reused} reused from the cache"]
+        s = self.stats
+        lines = [f"turns: {self.turns}, generated tokens: {s.n_tokens}"
+                 + (f" ({s.tokens_per_s:.1f} tok/s)" if s.generation_s > 0 else ""),
+                 f"prompt tokens: {s.prompt_tokens - s.prompt_reused} evaluated, {s.prompt_reused} reused from the cache"]
         if not with_drafting:
             lines.append("drafting: off (--target-only): 1 token per target pass")
             return "\n".join(lines)
-        rate = f"{self.accepted / self.drafted:.0%}" if self.drafted else "-"
-        lines.append(f"drafted: {self.drafted}, accepted: {self.accepted} (acceptance {rate})")
-        if self.target_passes:
-            per_pass = self.n_tokens / self.target_passes
+        rate = f"{s.acceptance_rate:.0%}" if s.acceptance_rate is not None else "-"
+        lines.append(f"drafted: {s.drafted}, accepted: {s.accepted} (acceptance {rate})")
+        if s.target_passes:
+            per_pass = s.mean_tokens_per_pass
             lines.append(f"mean tokens per target pass: {per_pass:.2f}")
             lines.append(
                 f"speedup estimate: {per_pass:.2f}x (= tokens per target pass; an upper bound that "

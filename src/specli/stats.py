@@ -65,6 +65,16 @@ class Stats:
             for i in range(upto):
                 counts[i] += 1
 
+    def add(self, other: "Stats") -> None:
+        """Add another run's counts and times to these (session totals)."""
+        for name in ("n_tokens", "drafted", "accepted", "target_passes", "prompt_tokens", "prompt_reused",
+                     "prompt_s", "draft_s", "verify_s", "generation_s"):  # fmt: skip
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, count in enumerate(theirs):
+                mine[i] += count
+
     def to_dict(self) -> dict:
         """The `stats` object of `--json` (times in seconds)."""
         rnd = lambda x: None if x is None else round(x, 4)  # noqa: E731
