@@ -193,6 +193,28 @@ class Pty:
     def __init__(self, fd: int):
         self.fd, self.buf, self.pos = fd, bytearray(), 0
 
+    @classmethod
+    def chat(cls, *args: str) -> tuple[subprocess.Popen, "Pty"]:
+        """`specli chat ARGS` with a new pseudo-terminal as its stdin, stdout and stderr."""
+        import pty
+
+        master, slave = pty.openpty()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specli", "chat", *args],
+            stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+        )
+        os.close(slave)
+        return proc, cls(master)
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def close(self, proc: subprocess.Popen) -> None:
+        """Kill `proc` if it still runs, and close the terminal."""
+        if proc.poll() is None:
+            proc.kill()
+        os.close(self.fd)
+
     def expect(self, needle: bytes, timeout: float = 60) -> None:
         """Wait until `needle` appears after the previous match; continue after it."""
         deadline = time.monotonic() + timeout
@@ -209,33 +231,22 @@ class Pty:
 
 @pytest.mark.gemma
 def test_ctrl_c_stops_the_reply_not_the_session(gemma_path):
-    import pty
-
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specli", "chat", "-m", str(gemma_path), "--target-only", "--max-tokens", "2000",
-         "-c", "256", *GREEDY],
-        stdin=slave, stdout=slave, stderr=slave, close_fds=True,
-    )
-    os.close(slave)
-    term = Pty(master)
+    proc, term = Pty.chat("-m", str(gemma_path), "--target-only", "--max-tokens", "2000", "-c", "256", *GREEDY)
     try:
         term.expect(b">>> ")
-        os.write(master, b"Tell me a very long story about a dragon.\n")
+        term.send(b"Tell me a very long story about a dragon.\n")
         term.expect(b"tok/s")  # the live line: the reply is streaming
         time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
         term.expect(b"stop: interrupted")
         term.expect(b">>> ")
-        os.write(master, b"Say hello.\n")
+        term.send(b"Say hello.\n")
         term.expect(b"stop: ")  # answered (up to -c: the context is small)
         term.expect(b">>> ")
-        os.write(master, b"/exit\n")
+        term.send(b"/exit\n")
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
+        term.close(proc)
     assert b"Traceback" not in term.buf
 
 
@@ -270,27 +281,17 @@ def test_plain_format_keeps_each_turn_a_prefix_of_the_next():
 
 @pytest.mark.parametrize("leave", ["sigint", "ctrl-d"])
 def test_leaving_at_the_prompt_of_a_terminal_exits_0(pair_perturbed, leave):
-    import pty
-
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specli", "chat", "-m", str(pair_perturbed[0]), "--max-tokens", "4"],
-        stdin=slave, stdout=slave, stderr=slave, close_fds=True,
-    )
-    os.close(slave)
-    term = Pty(master)
+    proc, term = Pty.chat("-m", str(pair_perturbed[0]), "--max-tokens", "4")
     try:
         term.expect(b">>> ")
-        os.write(master, b"hello\n")
+        term.send(b"hello\n")
         term.expect(b"stop: ")
         term.expect(b">>> ")
         if leave == "sigint":
             proc.send_signal(signal.SIGINT)
         else:
-            os.write(master, b"\x04")
+            term.send(b"\x04")
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
+        term.close(proc)
     assert b"Traceback" not in term.buf
