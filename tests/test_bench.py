@@ -125,6 +125,19 @@ def test_best_n_per_scenario_and_overall():
     assert n == 2 and gmean == pytest.approx(math.sqrt(1.5 * 1.2))  # 1.342 beats sqrt(2 * 0.8) = 1.265
 
 
+def test_auto_sorts_after_target_only_and_is_compared_with_the_best_fixed_n():
+    records = [record("a", 5, 150.0, drafted=20, accepted=10, passes=10), record("a", "auto", 190.0, drafted=30,
+               accepted=25, passes=10), record("a", 0, 100.0), record("a", 2, 200.0, drafted=8, passes=10)]  # fmt: skip
+    rows = bench.aggregate(records)
+    assert [r.n for r in rows] == [0, "auto", 2, 5]
+    auto = rows[1]
+    assert auto.mean_draft_length == 3.0 and auto.expected is None  # Leviathan's formula needs a fixed N
+    assert bench.best_per_scenario(rows)["a"].n == 2  # only fixed N compete for "best N"
+    assert bench.best_overall(rows)[0] == 2
+    auto_row, best_fixed = bench.auto_summary(rows)["a"]
+    assert auto_row is auto and best_fixed.n == 2 and auto.speedup / best_fixed.speedup == pytest.approx(0.95)
+
+
 def test_best_overall_needs_an_n_measured_everywhere():
     assert bench.best_overall([row("a", 0, 1.0)]) is None
 
@@ -152,6 +165,7 @@ def test_seeds_change_per_round_not_per_configuration():
 
 def test_parse_ns():
     assert bench.parse_ns("8, 2,4,2") == [2, 4, 8]
+    assert bench.parse_ns("8,AUTO,2") == ["auto", 2, 8]
     for bad, fragment in (("2,x", "'x' is not a number"), ("0", "between 1 and 64"), ("65", "got 65"), ("", "not a number")):
         with pytest.raises(UsageError, match=fragment):
             bench.parse_ns(bad)
@@ -254,7 +268,7 @@ def test_bench_command_runs_every_configuration(pair_perturbed, tmp_path):
     assert len(rows) == len(runs) and tuple(rows[0]) == bench.RECORD_FIELDS
     # The report: a table per scenario and a verdict each, nothing from the progress bar.
     assert "use speculative decoding?" in result.stdout
-    assert result.stdout.count("use speculative decoding?") == 2 and "Best N overall" in result.stdout
+    assert result.stdout.count("use speculative decoding?") == 2 and "Best fixed N overall" in result.stdout
 
 
 def test_bench_usage_errors_are_one_line(tmp_path):

@@ -74,7 +74,7 @@ def test_commands_reset_n_system_save(pair_perturbed, tmp_path):
     assert counts[1][2] >= counts[0][0] and counts[2][2] == 0  # /reset emptied the cache
     err = result.stderr
     assert "draft length: 2 tokens per step" in err
-    assert err.count("/n needs a number of draft tokens from 1 to 64") == 2
+    assert err.count("/n needs 'auto' or a number of draft tokens from 1 to 64") == 2
     assert "unknown command /bogus; /help lists the commands" in err
     assert "A line ending with a backslash continues" in err
     assert "system prompt: 'Be terse.'" in err

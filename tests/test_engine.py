@@ -6,12 +6,12 @@ import pytest
 
 from conftest import load
 from specli import synthetic
-from specli.drafters import DraftModelDrafter, PromptLookupDrafter
+from specli.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
 from specli.engine import SpeculativeDecoder
 from specli.errors import IncompatibleDraftError, UsageError
 from specli.loading import ModelChoice, load as load_plan, plan
 
-N_VALUES = [1, 2, 3, 5, 8, 12]
+N_VALUES = ["auto", 1, 2, 3, 5, 8, 12]
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
     "def add(a, b):\n    return a + b\n",
@@ -52,8 +52,12 @@ def test_draft_model_output_equals_target_only(request, pair_name, n_draft):
         assert gen.text == reference.text
         drafted += gen.stats.drafted
         accepted += gen.stats.accepted
-    # The test only means something if drafts were both accepted and rejected.
-    assert drafted > 0 and 0 < accepted < drafted
+    # The test only means something if drafts were both accepted and rejected. (With auto the
+    # weak truncated draft, whose drafts cost about a target pass, is rightly given up after
+    # a few rejections and re-probed: rejected drafts only.)
+    assert drafted > 0 and accepted < drafted
+    if not (n_draft == "auto" and pair_name == "truncated"):
+        assert accepted > 0
 
 
 @pytest.mark.parametrize("n_draft", N_VALUES)
@@ -70,6 +74,28 @@ def test_lookup_output_equals_target_only(perturbed, n_draft):
         drafted += gen.stats.drafted
         accepted += gen.stats.accepted
     assert drafted > 0 and 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("n_draft", ["auto", 3, 8])
+def test_hybrid_output_equals_target_only_and_uses_both_sources(perturbed, n_draft):
+    model_tgt, model_dft = perturbed
+    by_source: dict[str, list[int]] = {}
+    for prompt in PROMPTS:
+        ids = model_tgt.tokenize(prompt)
+        reference = target_only(model_tgt, ids, max_tokens=80)
+        drafter = HybridDrafter(PromptLookupDrafter(ngram_max=3, ngram_min=2), DraftModelDrafter(model_dft))
+        gen = SpeculativeDecoder(model_tgt, drafter, n_draft).generate(ids, max_tokens=80).run()
+        assert gen.token_ids == reference.token_ids, (prompt, n_draft)
+        for source, (d, a) in gen.stats.by_source.items():
+            by_source.setdefault(source, [0, 0])
+            by_source[source][0] += d
+            by_source[source][1] += a
+    # auto may rightly drop a source that does not pay (the timings decide), so only fixed
+    # lengths must use both; any drafting at all makes the exactness check meaningful.
+    assert sum(d for d, _ in by_source.values()) > 0
+    if n_draft != "auto":
+        assert set(by_source) == {"lookup", "draft-model"}, by_source
+        assert all(d > 0 for d, _ in by_source.values())
 
 
 @pytest.mark.parametrize("n_draft", [1, 4, 12])
@@ -161,7 +187,7 @@ def test_prompt_errors(perturbed):
         decoder.generate([], max_tokens=5)
     with pytest.raises(UsageError, match="raise -c"):
         decoder.generate([5] * model_tgt.n_ctx, max_tokens=5)
-    with pytest.raises(UsageError, match="-n must be between 1 and 64"):
+    with pytest.raises(UsageError, match="-n must be 'auto' or between 1 and 64"):
         SpeculativeDecoder(model_tgt, PromptLookupDrafter(), 0)
 
 

@@ -84,6 +84,21 @@ def test_stats_definitions():
     assert stats.mean_tokens_per_pass == 8 / 3
     assert stats.tokens_per_s == 4.0
     assert stats.to_dict()["acceptance_by_position"] == [1.0, 0.5, 0.5, 0.5]
+    assert stats.mean_draft_length == 8 / 3 and stats.draft_lengths == [1, 0, 0, 0, 2]
+
+
+def test_stats_keep_drafted_and_accepted_per_source():
+    stats = Stats()
+    stats.record_step(6, 6, 7, source="lookup")
+    stats.record_step(3, 1, 2, source="draft-model")
+    stats.record_step(0, 0, 1)
+    other = Stats()
+    other.record_step(2, 0, 1, source="draft-model")
+    stats.add(other)
+    by_source = stats.to_dict()["by_source"]
+    assert by_source["lookup"] == {"drafted": 6, "accepted": 6, "acceptance_rate": 1.0}
+    assert by_source["draft-model"] == {"drafted": 5, "accepted": 1, "acceptance_rate": 0.2}
+    assert stats.draft_lengths == [1, 0, 1, 1, 0, 0, 1]
 
 
 def test_stats_add_sums_counts_times_and_positions():
@@ -95,6 +110,7 @@ def test_stats_add_sums_counts_times_and_positions():
     assert (a.n_tokens, a.drafted, a.accepted, a.target_passes) == (6, 5, 4, 2)
     assert a.generation_s == 1.5 and a.prompt_reused == 7
     assert a.drafted_at == [2, 2, 1] and a.accepted_at == [2, 1, 1]
+    assert a.draft_lengths == [0, 0, 1, 1]
 
 
 def test_stats_without_drafts_has_no_acceptance():

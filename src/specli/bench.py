@@ -16,10 +16,10 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .engine import MAX_DRAFT
+from .engine import AUTO, MAX_DRAFT
 from .errors import UsageError
 
-DEFAULT_NS = (1, 2, 3, 5, 8, 12)
+DEFAULT_NS = (AUTO, 1, 2, 3, 5, 8, 12)
 TARGET_ONLY = 0  # the configuration "N = 0": no drafting
 
 # Verdict thresholds on the best measured speedup (the guide's terms).
@@ -110,19 +110,34 @@ def token_budget(prompt: BenchPrompt, max_tokens: int) -> int:
 # Options
 
 
-def parse_ns(text: str) -> list[int]:
-    """`--n 2,4,8` -> [2, 4, 8] (sorted, no duplicates). Raises UsageError naming the bad item."""
+def parse_ns(text: str) -> list[int | str]:
+    """`--n auto,8,2,4` -> ["auto", 2, 4, 8] (auto first, then sorted, no duplicates). Raises
+    UsageError naming the bad item."""
     ns: set[int] = set()
+    auto = False
     for item in text.split(","):
         item = item.strip()
+        if item.lower() == AUTO:
+            auto = True
+            continue
         try:
             n = int(item)
         except ValueError:
-            raise UsageError(f"--n takes draft lengths separated by commas, like 2,4,8; '{item}' is not a number") from None
+            raise UsageError(f"--n takes draft lengths separated by commas, like auto,2,4,8; '{item}' is not a number") from None
         if not 1 <= n <= MAX_DRAFT:
             raise UsageError(f"--n values must be between 1 and {MAX_DRAFT} draft tokens per step, got {n}")
         ns.add(n)
-    return sorted(ns)
+    return [AUTO] * auto + sorted(ns)
+
+
+def config_order(n: int | str) -> tuple[int, int]:
+    """Sort key of configurations: target-only, auto, then fixed N ascending."""
+    return (0, 0) if n == TARGET_ONLY else (1, 0) if n == AUTO else (2, int(n))
+
+
+def is_fixed(n: int | str) -> bool:
+    """A fixed draft length (not target-only, not auto)."""
+    return isinstance(n, int) and n != TARGET_ONLY
 
 
 def parse_prompt_file(path: Path) -> list[BenchPrompt]:
@@ -229,7 +244,7 @@ class Row:
     """One configuration of one scenario, aggregated over its prompts and rounds."""
 
     scenario: str
-    n: int  # 0 = target-only
+    n: int | str  # 0 = target-only, "auto" = the adaptive policy
     runs: int
     tokens_per_s: float | None  # median over runs
     speedup: float | None  # tokens_per_s / target-only tokens_per_s of the scenario
@@ -239,7 +254,8 @@ class Row:
     draft_ms_per_token: float | None  # draft time per generated token
     verify_ms_per_token: float | None  # target pass + verification time per generated token
     cost_ratio: float | None  # c: draft time per drafted token / target one-token pass time
-    expected: float | None  # expected_speedup(alpha, n, c)
+    expected: float | None  # expected_speedup(alpha, n, c) (fixed N only)
+    mean_draft_length: float | None = None  # drafted / target passes (auto: what it chose)
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -265,7 +281,7 @@ def aggregate(records: list[dict]) -> list[Row]:
         base = by_n.get(TARGET_ONLY, [])
         base_tps = _median([r["tokens_per_s"] for r in base])
         pass_s = _ratio(_pooled(base, "verify_s"), _pooled(base, "target_passes")) if base else None
-        for n in sorted(by_n):
+        for n in sorted(by_n, key=config_order):
             rows.append(_row(scenario, n, by_n[n], base_tps, pass_s))
     return rows
 
@@ -290,16 +306,17 @@ def _row(scenario: str, n: int, recs: list[dict], base_tps: float | None, pass_s
         acceptance=_ratio(accepted, drafted) if n else None, alpha=alpha,
         tokens_per_pass=_ratio(tokens, passes), draft_ms_per_token=ms("draft_s"),
         verify_ms_per_token=ms("verify_s"), cost_ratio=c,
-        expected=expected_speedup(alpha, n, c) if n and alpha is not None and c is not None else None,
+        expected=expected_speedup(alpha, n, c) if is_fixed(n) and alpha is not None and c is not None else None,
+        mean_draft_length=_ratio(drafted, passes) if n else None,
     )  # fmt: skip
 
 
 def best_per_scenario(rows: list[Row]) -> dict[str, Row]:
-    """The speculative row with the highest measured speedup, per scenario (scenarios whose
-    speculative rows have no speedup are left out)."""
+    """The fixed-N row with the highest measured speedup, per scenario (scenarios whose
+    fixed-N rows have no speedup are left out)."""
     best: dict[str, Row] = {}
     for row in rows:
-        if row.n == TARGET_ONLY or row.speedup is None:
+        if not is_fixed(row.n) or row.speedup is None:
             continue
         if row.scenario not in best or row.speedup > best[row.scenario].speedup:
             best[row.scenario] = row
@@ -307,18 +324,24 @@ def best_per_scenario(rows: list[Row]) -> dict[str, Row]:
 
 
 def best_overall(rows: list[Row]) -> tuple[int, float] | None:
-    """(N, geometric-mean speedup over scenarios) for the N that is best across all scenarios;
-    only N measured in every scenario count. None when there is nothing to compare."""
+    """(N, geometric-mean speedup over scenarios) for the fixed N that is best across all
+    scenarios; only N measured in every scenario count. None when there is nothing to compare."""
     by_n: dict[int, list[float]] = {}
     scenarios = {row.scenario for row in rows}
     for row in rows:
-        if row.n != TARGET_ONLY and row.speedup is not None and row.speedup > 0:
+        if is_fixed(row.n) and row.speedup is not None and row.speedup > 0:
             by_n.setdefault(row.n, []).append(row.speedup)
     means = {n: math.exp(statistics.fmean(map(math.log, s))) for n, s in by_n.items() if len(s) == len(scenarios)}
     if not means:
         return None
     n = max(means, key=lambda k: (means[k], -k))  # ties: the shorter draft
     return n, means[n]
+
+
+def auto_summary(rows: list[Row]) -> dict[str, tuple[Row, Row | None]]:
+    """Per scenario with an auto row: (auto's row, the best fixed-N row or None)."""
+    best = best_per_scenario(rows)
+    return {row.scenario: (row, best.get(row.scenario)) for row in rows if row.n == AUTO}
 
 
 def verdict(best: Row | None, *, lookup: bool = False) -> tuple[str, str]:
@@ -359,7 +382,7 @@ RECORD_FIELDS = (
     "round", "prompt", "scenario", "n_draft", "drafter", "seed", "max_tokens", "n_tokens",
     "stop_reason", "tokens_per_s", "generation_s", "prompt_tokens", "prompt_s", "drafted",
     "accepted", "rejections", "acceptance_rate", "target_passes", "mean_tokens_per_pass",
-    "draft_s", "verify_s",
+    "draft_s", "verify_s", "mean_draft_length",
 )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
-from .engine import MAX_DRAFT
+from .engine import AUTO, MAX_DRAFT
 from .errors import UsageError
 from .llama import LlamaModel, apply_chat_template, builtin_chat_templates
 from .loading import Loaded
@@ -27,7 +27,7 @@ PLAIN = "plain"  # our fallback format for models without a usable template
 HELP = """commands:
   /help          this help
   /stats         session totals: turns, tokens, acceptance, tokens per target pass
-  /n N           draft tokens per step from now on (1..64)
+  /n N           draft tokens per step from now on (1..64, or auto)
   /reset         forget the conversation (the system prompt stays) and empty the caches
   /system TEXT   set the system prompt (/system alone shows it)
   /save FILE     write the conversation and settings as JSON
@@ -337,15 +337,17 @@ class ChatSession:
         if not self.with_drafting:
             self.notice("/n: no drafting in --target-only mode")
             return
-        try:
-            n = int(arg)
-        except ValueError:
-            n = 0
-        if not 1 <= n <= MAX_DRAFT:
-            self.notice(f"/n needs a number of draft tokens from 1 to {MAX_DRAFT}, e.g. /n 8")
-            return
-        self.loaded.decoder.n_draft = n
-        self.notice(f"draft length: {n} tokens per step")
+        n: int | str = AUTO if arg.strip().lower() == AUTO else 0
+        if n != AUTO:
+            try:
+                n = int(arg)
+            except ValueError:
+                pass
+            if not 1 <= n <= MAX_DRAFT:
+                self.notice(f"/n needs 'auto' or a number of draft tokens from 1 to {MAX_DRAFT}, e.g. /n 8")
+                return
+        self.loaded.decoder.set_n_draft(n)
+        self.notice("draft length: chosen each step (auto)" if n == AUTO else f"draft length: {n} tokens per step")
 
     def _reset(self) -> None:
         self.messages.clear()
@@ -385,7 +387,7 @@ class ChatSession:
             "settings": {
                 "target": str(plan.target_path),
                 "draft": plan.draft_label,
-                "n_draft": self.loaded.decoder.n_draft,
+                "n_draft": self.loaded.decoder.n_draft_label,
                 "template": self.formatter.name,
                 "max_tokens": self.options.max_tokens,
                 "n_ctx": self.loaded.model_tgt.n_ctx,

@@ -15,6 +15,7 @@ import typer
 
 from . import __version__
 from .errors import EXIT_RUNTIME, EXIT_USAGE, SpecliError, UsageError
+from .engine import AUTO
 from .loading import ModelChoice, load, plan
 from .sampling import SamplingParams
 
@@ -47,7 +48,7 @@ ModelOpt = Annotated[Optional[str], typer.Option("-m", "--model", help="Target m
 DraftOpt = Annotated[Optional[str], typer.Option("-d", "--draft", help="Draft model: a GGUF path or a models.toml name (same tokenizer as the target).")]
 LookupOpt = Annotated[bool, typer.Option("--lookup", help="Draft by prompt lookup (copying from the text so far); no draft model.")]
 TargetOnlyOpt = Annotated[bool, typer.Option("--target-only", help="Plain decoding with the target alone: the baseline.")]
-NDraftOpt = Annotated[Optional[int], typer.Option("-n", "--num-speculative-tokens", help="Draft tokens per step (default 5, or the models.toml suggestion).")]
+NDraftOpt = Annotated[Optional[str], typer.Option("-n", "--num-speculative-tokens", help="Draft tokens per step: 'auto' (default: chosen each step from measured costs and acceptance) or a fixed number 1-64.")]
 CtxOpt = Annotated[int, typer.Option("-c", "--ctx", help="Context size in tokens (prompt + output).")]
 NglOpt = Annotated[int, typer.Option("--ngl", help="Target layers to offload to the GPU (-1 = all).")]
 DraftNglOpt = Annotated[int, typer.Option("--draft-ngl", help="Draft model layers to offload to the GPU (-1 = all).")]
@@ -73,7 +74,17 @@ def _model_choice(
     if max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
     sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed).validate()
-    return ModelChoice(model, draft, lookup, target_only, n_draft, ctx, ngl, draft_ngl, threads, sampling)
+    return ModelChoice(model, draft, lookup, target_only, parse_n_draft(n_draft), ctx, ngl, draft_ngl, threads, sampling)
+
+
+def parse_n_draft(text: str | None) -> int | str | None:
+    """-n's value: "auto", a whole number (checked against the range later), or None."""
+    if text is None or text.strip().lower() == AUTO:
+        return None if text is None else AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"-n must be 'auto' or a number of draft tokens per step (1-64), got {text!r}") from None
 
 
 def _load(the_plan, choice: ModelChoice, *, quiet: bool):
@@ -156,7 +167,10 @@ def run(
             sys.stdout.flush()
         if not quiet:
             print(summary_line(gen.stats, stop_reason=gen.stop_reason, with_drafting=with_drafting), file=sys.stderr)
-            warning = low_acceptance_warning(gen.stats, lookup=the_plan.mode == "lookup") if with_drafting else None
+            warning = (
+                low_acceptance_warning(gen.stats, lookup=the_plan.mode == "lookup", adaptive=loaded.decoder.adaptive)
+                if with_drafting else None
+            )  # fmt: skip
             if warning:
                 print(warning, file=sys.stderr)
         return EXIT_INTERRUPTED if interrupted else 0
@@ -172,7 +186,7 @@ def _result_json(gen, the_plan) -> dict:
         "stop_reason": gen.stop_reason,
         "target": str(the_plan.target_path),
         "draft": the_plan.draft_label,
-        "n_draft": the_plan.n_draft if the_plan.mode != "target-only" else 0,
+        "n_draft": the_plan.n_draft if the_plan.mode != "target-only" else 0,  # a number or "auto"
         "sampling": sampling_json(the_plan.sampling),
         "seed": gen.seed,
         "stats": gen.stats.to_dict(),

@@ -138,7 +138,7 @@ def _measure(loaded, prompts, ns, repeat, max_tokens, sampling, *, quiet: bool) 
             progress.update(task, description=f"round {job.round + 1}/{repeat} {prompt.name} " + (f"N={job.n}" if job.n else "target-only"))
             decoder = plain if job.n == bench.TARGET_ONLY else spec
             if job.n:
-                decoder.n_draft = job.n
+                decoder.set_n_draft(job.n)
             if not sampling.greedy:
                 decoder.sampling = dataclasses.replace(sampling, seed=bench.run_seed(sampling.seed, job.round))
             budget = bench.token_budget(prompt, max_tokens)
@@ -150,7 +150,7 @@ def _measure(loaded, prompts, ns, repeat, max_tokens, sampling, *, quiet: bool) 
 def _warm_up(plain, spec, prompt_ids, n: int) -> None:
     """A few untimed tokens through both decoders: the first runs of a process are slower
     (allocations, caches), and that must not count against whichever configuration is first."""
-    spec.n_draft = n
+    spec.set_n_draft(n)
     for decoder in (plain, spec):
         decoder.generate(prompt_ids, max_tokens=8).run()
 
@@ -171,6 +171,7 @@ def _one_run(decoder, prompt_ids, budget, job, prompt, mode) -> dict:
         "drafted": st.drafted, "accepted": st.accepted, "rejections": rejections,
         "acceptance_rate": st.acceptance_rate, "target_passes": st.target_passes,
         "mean_tokens_per_pass": st.mean_tokens_per_pass, "draft_s": st.draft_s, "verify_s": st.verify_s,
+        "mean_draft_length": st.mean_draft_length,
     }  # fmt: skip
 
 
@@ -185,20 +186,24 @@ def _report(rows: list[bench.Row], the_plan, ns: list[int], repeat: int) -> None
 
     out = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 160)
     drafter = "prompt lookup" if the_plan.mode == "lookup" else f"draft model {the_plan.draft_path.name}"
+    if the_plan.mode == "hybrid":
+        drafter = f"prompt lookup, else draft model {the_plan.draft_path.name}"
     out.print(f"target {the_plan.target_path.name}, {drafter}; median of {repeat} round(s) per configuration")
     for scenario in dict.fromkeys(row.scenario for row in rows):
         table = Table(title=scenario, title_justify="left")
-        for header in ("N", "tok/s", "speedup", "acceptance", "tokens/pass", "draft ms/tok", "verify ms/tok", "α", "c", "expected"):
+        for header in ("N", "tok/s", "speedup", "acceptance", "drafts/pass", "tokens/pass", "draft ms/tok", "verify ms/tok", "α", "c", "expected"):
             table.add_column(header, justify="right")
         for row in (r for r in rows if r.scenario == scenario):
             table.add_row(
                 str(row.n) if row.n else "target-only", _fmt(row.tokens_per_s, ".1f"), _fmt(row.speedup, ".2f", "x"),
-                _fmt(row.acceptance, ".0%"), _fmt(row.tokens_per_pass, ".2f"), _fmt(row.draft_ms_per_token, ".2f"),
+                _fmt(row.acceptance, ".0%"), _fmt(row.mean_draft_length, ".1f"), _fmt(row.tokens_per_pass, ".2f"),
+                _fmt(row.draft_ms_per_token, ".2f"),
                 _fmt(row.verify_ms_per_token, ".2f"), _fmt(row.alpha, ".2f"), _fmt(row.cost_ratio, ".3f"),
                 _fmt(row.expected, ".2f", "x"),
             )  # fmt: skip
         out.print(table)
     out.print(
+        "N auto: the draft length chosen each step (drafts/pass is its mean). "
         "α: per-token acceptance (accepted / (accepted + rejecting steps)); c: draft time per drafted token / "
         "target one-token pass time; expected: Leviathan et al. (1-α^(N+1))/((1-α)(Nc+1)), which ignores "
         "that wider target passes cost more."
@@ -206,7 +211,13 @@ def _report(rows: list[bench.Row], the_plan, ns: list[int], repeat: int) -> None
     best = bench.best_per_scenario(rows)
     overall = bench.best_overall(rows)
     if overall:
-        out.print(f"Best N overall: {overall[0]} ({overall[1]:.2f}x, geometric mean over scenarios)")
+        out.print(f"Best fixed N overall: {overall[0]} ({overall[1]:.2f}x, geometric mean over scenarios)")
+    for scenario, (auto, best_fixed) in bench.auto_summary(rows).items():
+        against = ""
+        if best_fixed is not None and auto.speedup is not None and best_fixed.speedup:
+            against = f", {auto.speedup / best_fixed.speedup:.2f} of the best fixed N={best_fixed.n} ({best_fixed.speedup:.2f}x)"
+        out.print(f"{scenario}: auto {_fmt(auto.speedup, '.2f', 'x')} target-only{against}, "
+                  f"{_fmt(auto.mean_draft_length, '.1f')} drafts per pass")  # fmt: skip
     for scenario in dict.fromkeys(row.scenario for row in rows):
         word, why = bench.verdict(best.get(scenario), lookup=the_plan.mode == "lookup")
         out.print(f"{scenario}: use speculative decoding? {word} — {why}")
@@ -221,9 +232,11 @@ def _plot(path: Path, rows: list[bench.Row]) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for scenario in dict.fromkeys(row.scenario for row in rows):
-        pts = [(r.n, r.speedup) for r in rows if r.scenario == scenario and r.n and r.speedup is not None]
+        pts = [(r.n, r.speedup) for r in rows if r.scenario == scenario and bench.is_fixed(r.n) and r.speedup is not None]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=scenario)
+            (line,) = ax.plot(*zip(*pts), marker="o", label=scenario)
+            for auto in (r for r in rows if r.scenario == scenario and r.n == bench.AUTO and r.speedup is not None):
+                ax.axhline(auto.speedup, color=line.get_color(), linestyle=":", linewidth=1)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("N (draft tokens per step)")
     ax.set_ylabel("speedup over target-only")

@@ -3,8 +3,10 @@
 Every drafter follows one small protocol (after HF transformers' candidate generators):
 - begin(prompt, sampling, rng): called once before generation, e.g. to put the prompt into a
   draft model's cache; `sampling` and `rng` are the run's (the draft samples like the target);
-- propose(context, n_max): a Proposal of up to n_max tokens that might follow `context`
+- propose(context, n_max, judge): a Proposal of up to n_max tokens that might follow `context`
   (prompt + output so far), with the distributions q they were drawn from when there are any;
+  the judge (policy.py) says how many are worth proposing, and for a draft model, token by
+  token from its confidence, when to stop (fixed -n: exactly n_max);
 - update(n_drafted, n_accepted): how the target judged the latest proposal.
 
 Drafters never see logits of the target and cannot change the output: only its speed.
@@ -18,6 +20,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from .llama import LlamaModel
+from .policy import FIXED, DraftJudge
 from .sampling import GREEDY, SamplingParams, greedy_choice, penalty_history, sample_from_logits
 
 
@@ -31,6 +34,12 @@ class Proposal:
 
     tokens: list[int]
     q_rows: list[np.ndarray] | None = None
+    source: str | None = None  # the drafter that made it ("lookup", "draft-model")
+    confidences: list[float] | None = None  # the draft model's probability of each token
+
+
+def _empty(source: str | None = None) -> Proposal:
+    return Proposal([], source=source)
 
 
 class Drafter(Protocol):
@@ -38,7 +47,7 @@ class Drafter(Protocol):
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, rng: np.random.Generator) -> None: ...
 
-    def propose(self, context: Sequence[int], n_max: int) -> Proposal: ...
+    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal: ...
 
     def update(self, n_drafted: int, n_accepted: int) -> None: ...
 
@@ -65,25 +74,35 @@ class DraftModelDrafter:
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.model_dft.sync(prompt)
 
-    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
+        n_max = judge.limit(self.name, n_max) if n_max > 0 else 0
         if n_max <= 0:
-            return Proposal([])
+            return _empty(self.name)
         logits = self.model_dft.sync(context)
         self._context_len = len(context)
         tokens: list[int] = []
         q_rows: list[np.ndarray] | None = None if self.sampling.greedy else []
+        confidences: list[float] | None = [] if judge.wants_confidence else None
         while True:
             history = penalty_history(self.sampling, context, tokens)
             if q_rows is None:
                 token = greedy_choice(logits[-1], self.sampling, history)
+                q = None
             else:
                 token, q = sample_from_logits(logits[-1], self.sampling, history, self.rng)
-                q_rows.append(q)
+            if confidences is not None:
+                confidence = float(q[token]) if q is not None else _softmax_at(logits[-1], token)
+                if not judge.keep(self.name, len(tokens), confidence):
+                    break
+                confidences.append(confidence)
             tokens.append(token)
+            if q_rows is not None:
+                q_rows.append(q)
             # The last draft token is not evaluated: only the target's verdict says if it stays.
             if len(tokens) == n_max or self.model_dft.is_eog(token):
-                return Proposal(tokens, q_rows)
+                break
             logits = self.model_dft.eval([token], logits="last")
+        return Proposal(tokens, q_rows, self.name, confidences)
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
         # Drop the rejected drafts now, so the cache holds only accepted text between steps
@@ -141,19 +160,55 @@ class PromptLookupDrafter:
                     table[tuple(tokens[end - n : end])] = end - n
         self._indexed_end = max(self._indexed_end, end_limit)
 
-    def propose(self, context: Sequence[int], n_max: int) -> Proposal:
+    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
         if n_max <= 0:
-            return Proposal([])
+            return _empty(self.name)
         self._follow(context)
         tokens = self._tokens
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
             start = self._latest[n].get(tuple(tokens[-n:]))
             if start is not None:
-                return Proposal(_continue_periodically(tokens, start + n, n_max))
-        return Proposal([])
+                # Copying is free; only the target's wider pass costs: the judge sizes it.
+                n_max = judge.limit(self.name, n_max)
+                return Proposal(_continue_periodically(tokens, start + n, n_max) if n_max > 0 else [], source=self.name)
+        return _empty(self.name)
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
         pass
+
+
+class HybridDrafter:
+    """Prompt lookup when the text so far has a match, the draft model otherwise
+    (`--lookup` with `-d`). The judge sizes each source's drafts from its own record."""
+
+    name = "hybrid"
+
+    def __init__(self, lookup: PromptLookupDrafter, draft: DraftModelDrafter):
+        self.lookup = lookup
+        self.draft = draft
+        self._last_source: str | None = None
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
+        self.lookup.begin(prompt, sampling, rng)
+        self.draft.begin(prompt, sampling, rng)
+
+    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
+        proposal = self.lookup.propose(context, n_max, judge)
+        if not proposal.tokens:
+            proposal = self.draft.propose(context, n_max, judge)
+        self._last_source = proposal.source
+        return proposal
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        # Only the draft model keeps state about its proposal (its cache).
+        if self._last_source == self.draft.name:
+            self.draft.update(n_drafted, n_accepted)
+
+
+def _softmax_at(logits: np.ndarray, token: int) -> float:
+    """The probability softmax(logits) gives `token` (the draft's confidence in a greedy pick)."""
+    shifted = np.exp(logits - logits.max(), dtype=np.float64)
+    return float(shifted[token] / shifted.sum())
 
 
 def _continue_periodically(tokens: list[int], begin: int, n_max: int) -> list[int]:

@@ -24,6 +24,7 @@ import numpy as np
 from .drafters import Drafter, Proposal
 from .errors import UsageError
 from .llama import LlamaModel, common_prefix_len
+from .policy import FIXED, AdaptivePolicy, DraftJudge
 from .sampling import GREEDY, SamplingParams, make_rng, penalized_row, penalty_history, probabilities, verify_sampled
 from .stats import Stats
 from .text import TextStream
@@ -35,6 +36,8 @@ STOP_CONTEXT_FULL = "context_full"
 STOP_INTERRUPTED = "interrupted"
 
 MAX_DRAFT = 64  # draft lengths beyond this only waste target work
+AUTO = "auto"
+AUTO_MAX_DRAFT = 32  # the longest draft `-n auto` considers
 
 
 @dataclass
@@ -95,17 +98,43 @@ class SpeculativeDecoder:
     very same loop, the baseline every comparison uses. Greedy sampling (temperature 0) accepts
     drafts that equal the target's argmax; otherwise drafts go through rejection sampling, which
     keeps the output distributed exactly as the target's own sampling.
+
+    `n_draft` is a fixed number of drafts per step, or "auto": the policy (policy.py) chooses
+    each step's length, up to AUTO_MAX_DRAFT, from measured costs and acceptance. Either way
+    only the speed changes, never the output.
     """
 
     def __init__(
-        self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int, sampling: SamplingParams = GREEDY
+        self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int | str, sampling: SamplingParams = GREEDY
     ):
-        if drafter is not None and not 1 <= n_draft <= MAX_DRAFT:
-            raise UsageError(f"-n must be between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
         self.model_tgt = model_tgt
         self.drafter = drafter
-        self.n_draft = n_draft if drafter is not None else 0
+        self.set_n_draft(n_draft)
         self.sampling = sampling.validate()
+
+    def set_n_draft(self, n_draft: int | str) -> None:
+        """A fixed draft length (1 .. MAX_DRAFT) or "auto". The policy's measurements survive
+        between generations (the machine and the pair do not change)."""
+        self.judge: DraftJudge = FIXED
+        if self.drafter is None:
+            self.n_draft = 0
+        elif n_draft == AUTO:
+            self.n_draft = AUTO_MAX_DRAFT
+            self.judge = getattr(self, "_policy", None) or AdaptivePolicy(AUTO_MAX_DRAFT)
+            self._policy = self.judge
+        elif isinstance(n_draft, int) and 1 <= n_draft <= MAX_DRAFT:
+            self.n_draft = n_draft
+        else:
+            raise UsageError(f"-n must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
+
+    @property
+    def adaptive(self) -> bool:
+        return isinstance(self.judge, AdaptivePolicy)
+
+    @property
+    def n_draft_label(self) -> int | str:
+        """-n as the user would write it: "auto" or the fixed length (0 without a drafter)."""
+        return AUTO if self.adaptive else self.n_draft
 
     def generate(self, prompt_ids: Sequence[int], *, max_tokens: int) -> Generation:
         """Start generating after `prompt_ids` (which must include BOS if the model wants it)."""
@@ -157,7 +186,7 @@ class SpeculativeDecoder:
             k = min(self.n_draft, remaining - 1, room - 1)
 
             t_draft = time.perf_counter()
-            proposal = drafter.propose(context, k) if (drafter is not None and k > 0) else Proposal([])
+            proposal = drafter.propose(context, k, self.judge) if (drafter is not None and k > 0) else Proposal([])
             draft = proposal.tokens
             assert len(draft) <= k
             t_verify = time.perf_counter()
@@ -169,6 +198,9 @@ class SpeculativeDecoder:
             if drafter is not None and draft:
                 drafter.update(len(draft), verdict.n_accepted)
             t_done = time.perf_counter()
+            if self.adaptive:
+                self.judge.observe(proposal.source, len(draft), verdict.n_accepted, proposal.confidences,
+                                   t_verify - t_draft, len(draft) + 1, t_done - t_verify)  # fmt: skip
 
             emitted = verdict.tokens
             stop = None
@@ -182,7 +214,7 @@ class SpeculativeDecoder:
             context.extend(verdict.tokens)
             gen.token_ids.extend(emitted)
             gen.text += text_drafted + text_own
-            stats.record_step(len(draft), n_from_draft, len(emitted))
+            stats.record_step(len(draft), n_from_draft, len(emitted), source=proposal.source if draft else None)
             stats.draft_s += t_verify - t_draft
             stats.verify_s += t_done - t_verify
             stats.generation_s = time.perf_counter() - t_gen

@@ -9,14 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .compat import check_compatible
-from .drafters import DraftModelDrafter, Drafter, PromptLookupDrafter
-from .engine import MAX_DRAFT, SpeculativeDecoder
+from .drafters import DraftModelDrafter, Drafter, HybridDrafter, PromptLookupDrafter
+from .engine import AUTO, MAX_DRAFT, SpeculativeDecoder
 from .errors import UsageError
 from .llama import LlamaModel, validate_ctx
 from .registry import RegistryEntry, load_effective_registry, resolve_model_arg, resolve_source
 from .sampling import GREEDY, SamplingParams
 
 LOOKUP = "lookup"
+HYBRID = "hybrid"
 
 
 @dataclass
@@ -27,7 +28,7 @@ class ModelChoice:
     draft: str | None = None
     lookup: bool = False
     target_only: bool = False
-    n_draft: int | None = None
+    n_draft: int | str | None = None  # a fixed length, "auto", or None (= auto)
     n_ctx: int = 4096
     ngl: int = -1
     draft_ngl: int = -1
@@ -41,8 +42,8 @@ class Plan:
 
     target_path: Path
     draft_path: Path | None  # a draft model file, or None
-    mode: str  # "draft-model", "lookup" or "target-only"
-    n_draft: int
+    mode: str  # "draft-model", "lookup", "hybrid" (lookup, else the draft model) or "target-only"
+    n_draft: int | str  # a fixed length or "auto"
     entry: RegistryEntry | None
     sampling: SamplingParams = GREEDY
 
@@ -51,6 +52,8 @@ class Plan:
         """`draft` in --json: the draft file, "lookup", or None for target-only."""
         if self.mode == "draft-model":
             return str(self.draft_path)
+        if self.mode == HYBRID:
+            return f"{LOOKUP}+{self.draft_path}"
         return LOOKUP if self.mode == LOOKUP else None
 
 
@@ -71,8 +74,6 @@ def plan(choice: ModelChoice) -> Plan:
     """Resolve -m/-d/--lookup/--target-only into files and a mode. Raises UsageError."""
     if choice.target_only and (choice.draft or choice.lookup):
         raise UsageError("--target-only cannot be combined with -d/--draft or --lookup; pick one")
-    if choice.draft and choice.lookup:
-        raise UsageError("use either -d/--draft (a draft model) or --lookup (prompt lookup), not both")
     validate_ctx(choice.n_ctx)
 
     # The shipped models.toml plus the user's own (SPECLI_MODELS or the config dir's).
@@ -86,6 +87,9 @@ def plan(choice: ModelChoice) -> Plan:
     draft_path: Path | None = None
     if choice.target_only:
         mode = "target-only"
+    elif choice.lookup and choice.draft:
+        draft_path, _ = resolve_model_arg(choice.draft, registry)
+        mode = HYBRID
     elif choice.lookup:
         mode = LOOKUP
     elif choice.draft:
@@ -98,11 +102,9 @@ def plan(choice: ModelChoice) -> Plan:
         # No draft model named: prompt lookup costs nothing and never changes the output.
         mode = LOOKUP
 
-    n_draft = choice.n_draft
-    if n_draft is None:
-        n_draft = (entry.n_speculative if entry is not None and entry.n_speculative else None) or 5
-    if not 1 <= n_draft <= MAX_DRAFT:
-        raise UsageError(f"-n must be between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
+    n_draft = AUTO if choice.n_draft is None else choice.n_draft
+    if n_draft != AUTO and not (isinstance(n_draft, int) and 1 <= n_draft <= MAX_DRAFT):
+        raise UsageError(f"-n must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
     return Plan(target_path, draft_path, mode, n_draft, entry, choice.sampling)
 
 
@@ -117,7 +119,7 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
                 "tokens, so speculative decoding cannot verify drafts with it; use a transformer target"
             )
         drafter: Drafter | None = None
-        if p.mode == "draft-model":
+        if p.mode in ("draft-model", HYBRID):
             assert p.draft_path is not None
             model_dft = LlamaModel(p.draft_path, n_ctx=choice.n_ctx, n_gpu_layers=choice.draft_ngl, n_threads=choice.threads)
             if model_dft.is_recurrent_or_hybrid:
@@ -125,6 +127,8 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
             if p.draft_path.resolve() != p.target_path.resolve():
                 check_compatible(model_tgt.vocab_info(), model_dft.vocab_info(), model_tgt.token_text, model_dft.token_text)
             drafter = DraftModelDrafter(model_dft)
+            if p.mode == HYBRID:
+                drafter = HybridDrafter(PromptLookupDrafter(), drafter)
         elif p.mode == LOOKUP:
             drafter = PromptLookupDrafter()
         decoder = SpeculativeDecoder(model_tgt, drafter, p.n_draft, p.sampling)

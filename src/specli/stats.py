@@ -12,6 +12,10 @@
   history), so not evaluated again; prompt_tokens - prompt_reused were evaluated.
 - draft_s: time spent proposing drafts; verify_s: time in target passes and verification.
 - wall_s: prompt_s + generation time, all in.
+- draft_lengths[k]: target passes that checked k drafts (with `-n auto`, the lengths the
+  policy chose); mean_draft_length = drafted / target_passes.
+- by_source: drafted and accepted per drafter ("lookup", "draft-model"): the hybrid drafter
+  uses both.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class Stats:
     # drafted_at[i]: steps that drafted a token at position i. Per-position acceptance.
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafted, accepted]
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -49,11 +55,16 @@ class Stats:
         return self.n_tokens / self.generation_s if self.generation_s > 0 else None
 
     @property
+    def mean_draft_length(self) -> float | None:
+        return self.drafted / self.target_passes if self.target_passes else None
+
+    @property
     def wall_s(self) -> float:
         return self.prompt_s + self.generation_s
 
-    def record_step(self, n_drafted: int, n_accepted: int, n_emitted: int) -> None:
-        """Count one target pass that checked `n_drafted` drafts and emitted `n_emitted` tokens."""
+    def record_step(self, n_drafted: int, n_accepted: int, n_emitted: int, source: str | None = None) -> None:
+        """Count one target pass that checked `n_drafted` drafts (from `source`) and emitted
+        `n_emitted` tokens."""
         assert 0 <= n_accepted <= n_drafted
         self.target_passes += 1
         self.drafted += n_drafted
@@ -64,16 +75,28 @@ class Stats:
                 counts.extend([0] * (upto - len(counts)))
             for i in range(upto):
                 counts[i] += 1
+        if len(self.draft_lengths) <= n_drafted:
+            self.draft_lengths.extend([0] * (n_drafted + 1 - len(self.draft_lengths)))
+        self.draft_lengths[n_drafted] += 1
+        if source is not None:
+            totals = self.by_source.setdefault(source, [0, 0])
+            totals[0] += n_drafted
+            totals[1] += n_accepted
 
     def add(self, other: "Stats") -> None:
         """Add another run's counts and times to these (session totals)."""
         for name in ("n_tokens", "drafted", "accepted", "target_passes", "prompt_tokens", "prompt_reused",
                      "prompt_s", "draft_s", "verify_s", "generation_s"):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at),
+                             (self.draft_lengths, other.draft_lengths)):  # fmt: skip
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, count in enumerate(theirs):
                 mine[i] += count
+        for source, (drafted, accepted) in other.by_source.items():
+            totals = self.by_source.setdefault(source, [0, 0])
+            totals[0] += drafted
+            totals[1] += accepted
 
     def to_dict(self) -> dict:
         """The `stats` object of `--json` (times in seconds)."""
@@ -94,4 +117,10 @@ class Stats:
             "acceptance_by_position": [
                 round(a / d, 4) for a, d in zip(self.accepted_at, self.drafted_at) if d
             ],
+            "mean_draft_length": rnd(self.mean_draft_length),
+            "draft_lengths": self.draft_lengths,
+            "by_source": {
+                source: {"drafted": d, "accepted": a, "acceptance_rate": rnd(a / d if d else None)}
+                for source, (d, a) in self.by_source.items()
+            },
         }

@@ -60,7 +60,7 @@ def status_text(stats: Stats, *, with_drafting: bool) -> Text:
         line.append(f"{rate:.0%}" if rate is not None else "-", style=_rate_style(rate))
         line.append(f" ({stats.accepted}/{stats.drafted})")
         if stats.mean_tokens_per_pass:
-            line.append(f"  {stats.mean_tokens_per_pass:.2f} tok/pass")
+            line.append(f"  {stats.mean_draft_length:.1f} drafted → {stats.mean_tokens_per_pass:.2f} tok/pass")
         line.append(f"  draft {stats.draft_s:.2f}s / verify {stats.verify_s:.2f}s", style="dim")
     return line
 
@@ -162,22 +162,23 @@ def summary_line(stats: Stats, *, stop_reason: str | None, with_drafting: bool) 
         rate = stats.acceptance_rate
         parts.append(f"accepted {rate:.0%} ({stats.accepted}/{stats.drafted})" if rate is not None else "nothing drafted")
         if stats.mean_tokens_per_pass:
-            parts.append(f"{stats.mean_tokens_per_pass:.2f} tokens/pass")
+            parts.append(f"{stats.mean_draft_length:.1f} drafted, {stats.mean_tokens_per_pass:.2f} tokens per pass")
         parts.append(f"draft {stats.draft_s:.2f}s, verify {stats.verify_s:.2f}s")
     parts.append(f"prompt {stats.prompt_tokens} tokens in {stats.prompt_s:.2f}s")
     parts.append(f"stop: {stop_reason}")
     return " · ".join(parts)
 
 
-def low_acceptance_warning(stats: Stats, *, lookup: bool) -> str | None:
+def low_acceptance_warning(stats: Stats, *, lookup: bool, adaptive: bool = False) -> str | None:
     """The seed guide's advice when drafting mostly fails, or None."""
     rate = stats.acceptance_rate
     if rate is None or rate >= LOW_ACCEPTANCE or stats.drafted < 8:
         return None
+    shorter = "-n auto already drafted less where drafts failed" if adaptive else "reduce -n (or use -n auto)"
     advice = (
-        "reduce -n, or use a draft model (-d); lookup drafts only pay where the output repeats the input"
+        f"{shorter}, or use a draft model (-d); lookup drafts only pay where the output repeats the input"
         if lookup
-        else "reduce -n or pick a better-matched draft model"
+        else f"{shorter}, or pick a better-matched draft model"
     )
     return f"warning: only {rate:.0%} of drafted tokens were accepted (below {LOW_ACCEPTANCE:.0%}); {advice}"
 

@@ -1,0 +1,179 @@
+"""The `-n auto` policy on simulated costs and acceptance: no model, no timing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specli.policy import (
+    PROBE_EVERY_MAX, AdaptivePolicy, ConfidenceCalibration, PassCost, PositionalAcceptance, best_length,
+    expected_tokens,
+)  # fmt: skip
+
+FLAT = lambda n: 1.0  # noqa: E731  a GPU-like target: a pass costs the same for 1 or 33 tokens
+# Gemma 3 270M on 2 CPU threads (NOTES.md): ms per pass for n tokens, interpolated.
+CPU_MS = {1: 13.8, 2: 24.0, 5: 50.0, 9: 64.0, 13: 77.0, 17: 92.0, 25: 134.0, 33: 154.0}
+
+
+def cpu_cost(n: int) -> float:
+    sizes = sorted(CPU_MS)
+    if n in CPU_MS:
+        return CPU_MS[n]
+    lo = max(s for s in sizes if s < n)
+    hi = min(s for s in sizes if s > n)
+    return CPU_MS[lo] + (CPU_MS[hi] - CPU_MS[lo]) * (n - lo) / (hi - lo)
+
+
+def test_expected_tokens_is_one_plus_the_chance_of_each_prefix():
+    assert expected_tokens([]) == [1.0]
+    assert expected_tokens([0.5, 0.5]) == pytest.approx([1.0, 1.5, 1.75])
+    assert expected_tokens([1.0] * 3) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_never_accepted_means_plain_decoding():
+    assert best_length([0.0] * 16, 0.0, FLAT) == 0
+    assert best_length([0.0] * 16, 0.0, cpu_cost) == 0
+
+
+def test_always_accepted_means_the_longest_draft_when_drafting_is_cheap():
+    assert best_length([1.0] * 16, 0.01, FLAT) == 16
+    assert best_length([1.0] * 32, 0.0, cpu_cost) == 32
+
+
+@pytest.mark.parametrize("alpha, t_draft, cost, expected_k", [
+    # α 0.5, free drafts, T(n) = 1 + 0.25 (n - 1): rates 1, 1.5/1.25 = 1.2, 1.75/1.5 = 1.17 -> 1.
+    (0.5, 0.0, lambda n: 1 + 0.25 * (n - 1), 1),
+    # Leviathan's setting (flat T): α 0.8, c 0.05: (1 - 0.8^(k+1)) / (0.2 (0.05 k + 1)) is
+    # 3.039 at k 6, 3.082 at 7, 3.092 at 8, 3.078 at 9 -> 8.
+    (0.8, 0.05, FLAT, 8),
+    # α 0.6, c 0.5 (an expensive draft): k 1: 1.6/1.5 = 1.067, k 2: 1.96/2 = 0.98 -> 1.
+    (0.6, 0.5, FLAT, 1),
+    # α 0.4, c 0.5: k 1: 1.4/1.5 < 1 -> plain decoding pays best.
+    (0.4, 0.5, FLAT, 0),
+    # Gemma on a CPU with lookup at 96% acceptance: 16 drafts give (1 - 0.96^17) / 0.04 =
+    # 12.4 tokens for 92 ms = 0.135/ms, 24 give 16.0 for 134 ms = 0.119/ms, plain 0.072/ms:
+    # 16, which is also what a sweep of real runs found (drafters.py).
+    (0.96, 0.0, cpu_cost, 16),
+    # ... and at 50%: one draft gives 1.5 tokens for 24 ms (0.063/ms) < plain's 0.072/ms: 0.
+    (0.5, 0.0, cpu_cost, 0),
+])  # fmt: skip
+def test_best_length_matches_the_worked_optimum(alpha, t_draft, cost, expected_k):
+    assert best_length([alpha] * 32, t_draft, cost) == expected_k
+
+
+def test_worked_optimum_for_gemma_at_96_percent_is_the_brute_force_one():
+    rates = {k: expected_tokens([0.96] * k)[k] / cpu_cost(k + 1) for k in range(33)}
+    assert max(rates, key=rates.get) == 16 and rates[16] > rates[24] > rates[0]
+
+
+def test_pass_cost_interpolates_and_extrapolates_measured_sizes():
+    cost = PassCost()
+    assert not cost.measured and cost(1) == 1.0  # relative units before any measurement
+    cost.observe(1, 10.0)
+    assert cost(1) == 10.0 and cost(5) > cost(1)  # the prior slope until two sizes are known
+    cost.observe(5, 30.0)
+    assert cost(3) == pytest.approx(20.0)  # between measured sizes: interpolated
+    # Beyond the longest measured: optimistically the prior slope (1 per token) rather than
+    # the fitted 5, so that longer drafts get tried and measured.
+    assert cost(9) == pytest.approx(34.0)
+    cost.observe(9, 50.0)
+    assert cost(7) == pytest.approx(40.0) and cost(13) == pytest.approx(54.0)
+    for _ in range(40):
+        cost.observe(1, 20.0)
+    assert cost(1) == pytest.approx(20.0, rel=1e-3)  # a running mean follows a slower machine
+
+
+def test_positional_acceptance_learns_each_position_and_borrows_for_unseen_ones():
+    acc = PositionalAcceptance(8)
+    for _ in range(200):
+        acc.observe(4, 2)  # the first two always accepted, the third always rejected
+    rates = acc.rates(8)
+    # (The prior keeps a trace: 2 pseudo-observations against ~33 remembered verdicts.)
+    assert rates[0] > 0.95 and rates[1] > 0.95 and rates[2] < 0.1
+    # Position 3 was never judged (the verdict stopped at 2): it leans on position 2's estimate.
+    assert rates[3] < 0.1 and rates[7] < 0.1
+
+
+def test_calibration_moves_from_the_prior_to_what_the_target_accepted():
+    cal = ConfidenceCalibration()
+    assert cal.rate(0.95) == pytest.approx(0.95) and cal.rate(0.15) == pytest.approx(0.15)
+    for _ in range(200):
+        cal.observe([0.95], 0)  # confident drafts that the target rejects: badly calibrated
+    assert cal.rate(0.95) < 0.1
+
+
+def simulate(policy: AdaptivePolicy, accept_prob, steps: int, cost=FLAT, t_draft=0.0, seed=0,
+             confidence=None) -> list[int]:  # fmt: skip
+    """Run the policy against a simulated target: each draft is accepted with accept_prob(step)
+    until the first rejection; costs are what `cost` and `t_draft` say. Returns the drafted
+    lengths per step."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    for step in range(steps):
+        p = accept_prob(step) if accept_prob is not None else None
+        k = policy.limit("sim", 32)
+        confidences = None
+        if k and confidence is not None:
+            confidences = []
+            for i in range(k):
+                c = confidence(rng)
+                if not policy.keep("sim", i, c):
+                    break
+                confidences.append(c)
+            k = len(confidences)
+        n_accepted = 0
+        while n_accepted < k and rng.random() < (p if confidences is None else confidences[n_accepted]):
+            n_accepted += 1
+        policy.observe("sim" if k else None, k, n_accepted, confidences, k * t_draft, k + 1, cost(k + 1))
+        lengths.append(k)
+    return lengths
+
+
+def test_policy_falls_back_to_plain_decoding_when_drafts_are_never_accepted():
+    lengths = simulate(AdaptivePolicy(32), lambda step: 0.0, 2000, cost=cpu_cost)
+    late = lengths[500:]
+    # Only the re-probes draft, and they thin out to one in PROBE_EVERY_MAX steps.
+    assert sum(1 for k in late if k) <= len(late) / PROBE_EVERY_MAX + 2
+    assert max(late) <= 2
+
+
+def test_policy_drafts_the_longest_when_drafts_are_always_accepted():
+    lengths = simulate(AdaptivePolicy(32), lambda step: 1.0, 300)
+    assert all(k == 32 for k in lengths[20:])
+
+
+@pytest.mark.parametrize("alpha, cost", [(0.8, FLAT), (0.9, cpu_cost), (0.6, cpu_cost)])
+def test_policy_settles_on_the_optimal_length_for_a_known_acceptance(alpha, cost):
+    lengths = simulate(AdaptivePolicy(32), lambda step: alpha, 3000, cost=cost)
+    optimum = best_length([alpha] * 32, 0.0, cost)
+    late = lengths[1000:]
+    # Estimates fluctuate with recent luck: most steps within a couple of tokens of the optimum.
+    near = sum(1 for k in late if abs(k - optimum) <= max(2, optimum // 4))
+    assert near / len(late) > 0.6, (optimum, np.bincount(late))
+    assert abs(np.median(late) - optimum) <= max(2, optimum // 4)
+
+
+def test_policy_notices_when_the_text_starts_to_pay():
+    # Nothing is accepted for 1000 steps (e.g. free prose), then everything (a code block copied).
+    lengths = simulate(AdaptivePolicy(32), lambda step: 0.0 if step < 1000 else 0.97, 1400, cost=cpu_cost)
+    assert max(lengths[800:1000]) <= 2  # probing only
+    recovered = next(i for i, k in enumerate(lengths[1000:]) if k > 8)
+    assert recovered <= PROBE_EVERY_MAX + 10  # within one probe interval (plus learning)
+    assert np.median(lengths[1000 + recovered + 50 :]) >= 16
+
+
+def test_confidence_stops_a_draft_where_the_draft_model_is_unsure():
+    # A calibrated draft model that is sure (0.97) or unsure (0.2) of each token, at random;
+    # a draft token costs 10% of a one-token pass; passes cost as on a CPU. Unsure tokens
+    # should end drafts.
+    policy = AdaptivePolicy(32)
+    pick = lambda rng: 0.97 if rng.random() < 0.8 else 0.2  # noqa: E731
+    relative_cpu = lambda n: cpu_cost(n) / cpu_cost(1)  # noqa: E731
+    lengths = simulate(policy, None, 1500, t_draft=0.1, confidence=pick, cost=relative_cpu)
+    policy.limit("sim", 32)
+    assert policy.keep("sim", 0, 0.97) is True
+    policy.limit("sim", 32)
+    # 0.2 expected tokens for a pass 74% dearer (T(2) / T(1) = 24 / 13.8): not worth it.
+    assert policy.keep("sim", 0, 0.2) is False
+    # Drafts end at unsure tokens: the runs of sure ones are 4 long on average.
+    assert 2 < np.mean(lengths[500:]) < 8
