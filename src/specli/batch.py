@@ -70,6 +70,12 @@ def id_key(item_id: ItemId) -> str:
     return json.dumps(item_id, ensure_ascii=False)
 
 
+def is_done(entry: Entry, done: set[str]) -> bool:
+    """An item whose id has a result already (a bad line is never done: its error is written
+    again, e.g. a repeated id whose first line is done)."""
+    return isinstance(entry, Item) and id_key(entry.id) in done
+
+
 # --- input ------------------------------------------------------------------------------------
 def read_input(path: str, stdin: IO[bytes]) -> list[bytes]:
     """The raw lines of the input file ('-' = stdin). Raises UsageError when it cannot be read."""
@@ -291,7 +297,7 @@ class RecordWriter:
         self.stream = stream
         self.in_order = in_order
         # Records still expected, in input order (skipped items are not waited for).
-        self._pending = [_record_key(e.id, e.line) for e in entries if id_key(e.id) not in skip]
+        self._pending = [_record_key(e.id, e.line) for e in entries if not is_done(e, skip)]
         self._next = 0
         self._held: dict[tuple[str, int], str] = {}
 

@@ -146,7 +146,7 @@ def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, qui
     summary = batch.Summary(items=len(entries))
     todo = []
     for entry in entries:
-        if batch.id_key(entry.id) in done_before:
+        if batch.is_done(entry, done_before):
             summary.skipped += 1
         else:
             todo.append(entry)
