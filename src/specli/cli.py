@@ -301,3 +301,4 @@ def _click_message(err) -> str:
 # Commands kept in their own modules register themselves on `app` when imported.
 from . import cli_models  # noqa: E402,F401
 from . import cli_bench  # noqa: E402,F401
+from . import cli_batch  # noqa: E402,F401

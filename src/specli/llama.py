@@ -174,7 +174,9 @@ class LlamaModel:
         self._ctx = ctx
         self._memory = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
-        self.n_batch = n_batch
+        # llama.cpp caps the batch at the requested context (-c 32: 32) and aborts the process
+        # on a longer decode, while it pads the context itself to 256: chunk by its figure.
+        self.n_batch = int(llama_cpp.llama_n_batch(ctx))
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.cached: list[int] = []
         # Logits of the newest cached token, when the latest eval produced them (else None).
@@ -348,6 +350,109 @@ class LlamaModel:
         leave some behind, and the next positions would then collide with them."""
         self._tail_logits = None
         self._remove_from(len(self.cached))
+
+
+class MultiSequenceContext:
+    """A second context on a loaded model's weights, holding up to `n_seq` independent
+    sequences (llama.cpp sequence ids 0..n_seq-1), each with up to `n_ctx_per_seq` positions.
+
+    One `eval` puts tokens of several sequences through a single llama_decode, each token with
+    its own position and sequence id, so the weights are read once for all of them (`specli
+    batch --parallel`). The KV buffer is unified (one pool of n_seq * n_ctx_per_seq cells,
+    attention masked per sequence), so a pass of unequal lengths per sequence is still one
+    micro-batch. Per sequence, `cached[s]` is what its cache holds, position by position, as
+    LlamaModel.cached is for the single sequence.
+    """
+
+    def __init__(
+        self, model: LlamaModel, *, n_seq: int, n_ctx_per_seq: int, n_batch: int = 512,
+        n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
+    ):  # fmt: skip
+        assert n_seq >= 1
+        threads = n_threads or default_threads()
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_seq * n_ctx_per_seq
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = True
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+        cparams.flash_attn_type = FLASH_ATTN[flash_attn]
+        ctx = llama_cpp.llama_init_from_model(model._model, cparams)
+        if not ctx:
+            reason = _last_native_error() or "not enough memory?"
+            raise SpecliError(
+                f"llama.cpp could not create a context for {n_seq} sequences of {n_ctx_per_seq} tokens "
+                f"for {model.path}: {reason} (try a smaller --parallel or -c)"
+            )
+        self._ctx = ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+        self.path = model.path
+        self.n_vocab = model.n_vocab
+        self.n_seq = n_seq
+        self.n_ctx_per_seq = n_ctx_per_seq
+        self.n_batch = int(llama_cpp.llama_n_batch(ctx))  # capped by llama.cpp, as in LlamaModel
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.cached: list[list[int]] = [[] for _ in range(n_seq)]
+
+    def eval(self, requests: dict[int, Sequence[int]], *, logits: Literal["all", "none"] = "all") -> dict[int, np.ndarray]:
+        """Append each request's tokens to its sequence; return {seq: logits, one row per token}
+        (empty dict for "none"). "all" needs every token in one batch (<= n_batch in total).
+        The arrays are views of llama.cpp's buffer, valid until the next eval."""
+        flat = [(seq, len(self.cached[seq]) + i, token) for seq, tokens in requests.items() for i, token in enumerate(tokens)]
+        for seq, tokens in requests.items():
+            if len(self.cached[seq]) + len(tokens) > self.n_ctx_per_seq:
+                raise SpecliError(f"internal: sequence {seq} would exceed its {self.n_ctx_per_seq} positions")
+        if logits == "all":
+            assert len(flat) <= self.n_batch, "logits for all positions: one batch at most"
+        for start in range(0, len(flat), self.n_batch):
+            self._decode_chunk(flat[start : start + self.n_batch], want_logits=logits == "all")
+        if logits == "none" or not flat:
+            return {}
+        out = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(len(flat), self.n_vocab))
+        rows, row = {}, 0
+        for seq, tokens in requests.items():  # rows come in batch order: sequence by sequence
+            rows[seq] = out[row : row + len(tokens)]
+            row += len(tokens)
+        return rows
+
+    def _decode_chunk(self, chunk: list[tuple[int, int, int]], *, want_logits: bool) -> None:
+        batch = self._batch
+        batch.n_tokens = len(chunk)
+        for i, (seq, pos, token) in enumerate(chunk):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = want_logits
+        status = llama_cpp.llama_decode(self._ctx, batch)
+        if status != 0:
+            reason = _last_native_error() or f"llama_decode returned {status}"
+            for seq in {seq for seq, _, _ in chunk}:  # drop what may have landed, keep `cached` true
+                llama_cpp.llama_memory_seq_rm(self._memory, seq, len(self.cached[seq]), -1)
+            raise SpecliError(f"decoding {len(chunk)} tokens of {len({s for s, _, _ in chunk})} sequences failed: {reason}")
+        for seq, _, token in chunk:
+            self.cached[seq].append(token)
+
+    def truncate(self, seq: int, n_keep: int) -> None:
+        """Forget positions >= n_keep of sequence `seq`."""
+        if n_keep >= len(self.cached[seq]):
+            return
+        if not llama_cpp.llama_memory_seq_rm(self._memory, seq, n_keep, -1):
+            raise SpecliError(f"llama.cpp cannot remove cache entries from position {n_keep} of sequence {seq} for {self.path.name}")
+        del self.cached[seq][n_keep:]
+
+    def clear(self, seq: int) -> None:
+        """Empty sequence `seq` (its cells go back to the pool), including untracked entries."""
+        llama_cpp.llama_memory_seq_rm(self._memory, seq, 0, -1)
+        self.cached[seq].clear()
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

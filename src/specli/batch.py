@@ -1,0 +1,377 @@
+"""`specli batch`: the parts that need no model — input lines to items, output records, resume,
+the summary.
+
+Input: one JSON object per line (`prompt`, optional `id`, `max_tokens`, sampling fields,
+`metadata`), or plain text with one prompt per line. Blank lines are no items. A line that
+cannot become an item becomes a `LineError` (an error record in the output) and the batch goes
+on. Output: one JSON object per item, written and flushed as soon as the item is complete.
+
+Resume: an output file left by an earlier run (complete, interrupted or killed) tells which ids
+are done; their items are skipped. Error records and a line cut short by a kill are dropped
+and those items run again. When the run ends the file is rewritten, atomically, in input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterable, Union
+
+from .errors import UsageError
+from .sampling import SamplingParams
+from .stats import Stats
+
+# Per-item fields that override the command line, with the JSON types they accept.
+SAMPLING_FIELDS = {
+    "temperature": float, "top_k": int, "top_p": float, "min_p": float,
+    "repeat_penalty": float, "repeat_last_n": int, "seed": int,
+}  # fmt: skip
+# `metadata` is carried to the output unchanged; any other field is an error (a typo such as
+# "temprature" would otherwise sample with the default without a word).
+ITEM_FIELDS = ("prompt", "id", "max_tokens", "metadata", *SAMPLING_FIELDS)
+FORMATS = ("auto", "jsonl", "text")
+
+ItemId = Union[int, str]
+
+
+@dataclass
+class Item:
+    """One prompt to generate for, with its own settings."""
+
+    line: int  # 1-based line number in the input
+    id: ItemId
+    prompt: str
+    max_tokens: int
+    sampling: SamplingParams
+    echo: dict = field(default_factory=dict)  # fields copied to the output record (metadata)
+
+
+@dataclass
+class LineError:
+    """An input line that could not be processed: becomes an error record."""
+
+    line: int
+    id: ItemId
+    error: str
+
+    def record(self) -> dict:
+        return {"id": self.id, "line": self.line, "error": self.error}
+
+
+Entry = Union[Item, LineError]
+
+
+def id_key(item_id: ItemId) -> str:
+    """Ids compare as their JSON text: 1 and "1" are different ids."""
+    return json.dumps(item_id, ensure_ascii=False)
+
+
+def is_done(entry: Entry, done: set[str]) -> bool:
+    """An item whose id has a result already (a bad line is never done: its error is written
+    again, e.g. a repeated id whose first line is done)."""
+    return isinstance(entry, Item) and id_key(entry.id) in done
+
+
+# --- input ------------------------------------------------------------------------------------
+def read_input(path: str, stdin: IO[bytes]) -> list[bytes]:
+    """The raw lines of the input file ('-' = stdin). Raises UsageError when it cannot be read."""
+    if path == "-":
+        data = stdin.read()
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise UsageError(f"input file not found: {path} (give a JSONL or text file, or '-' for stdin)")
+        if p.is_dir():
+            raise UsageError(f"{path} is a directory; give a JSONL or text file of prompts")
+        try:
+            data = p.read_bytes()
+        except OSError as err:
+            raise UsageError(f"cannot read {path}: {err.strerror} (check its permissions)") from None
+    return data.splitlines()
+
+
+def detect_format(path: str, lines: list[bytes], fmt: str) -> str:
+    """'jsonl' or 'text'. auto: by the extension (.jsonl/.json, .txt), else JSONL when the first
+    non-blank line starts with '{'."""
+    if fmt != "auto":
+        return fmt
+    suffix = Path(path).suffix.lower() if path != "-" else ""
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        return "jsonl"
+    if suffix == ".txt":
+        return "text"
+    first = next((line.strip() for line in lines if line.strip()), b"")
+    return "jsonl" if first.startswith(b"{") else "text"
+
+
+def parse_lines(lines: list[bytes], fmt: str, sampling: SamplingParams, max_tokens: int) -> list[Entry]:
+    """Items (and errors for bad lines) in input order; `sampling` and `max_tokens` are the
+    command line's defaults. A later line repeating an earlier id is an error."""
+    entries: list[Entry] = []
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        entry = _parse_line(number, raw, fmt, sampling, max_tokens)
+        key = id_key(entry.id)
+        if key in seen:
+            entry = LineError(number, entry.id, f"id {entry.id!r} was already used on line {seen[key]}; give each line its own id")
+        else:
+            seen[key] = number
+        entries.append(entry)
+    return entries
+
+
+def _parse_line(number: int, raw: bytes, fmt: str, sampling: SamplingParams, max_tokens: int) -> Entry:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return LineError(number, number, f"the line is not UTF-8 text (bad byte at column {err.start + 1})")
+    if fmt == "text":
+        return Item(number, number, text.rstrip("\r"), max_tokens, sampling)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        return LineError(number, number, f"invalid JSON at column {err.colno}: {err.msg}")
+    if not isinstance(obj, dict):
+        return LineError(number, number, 'the line is JSON but not an object; write {"prompt": "..."}')
+    item_id = obj.get("id", number)
+    if isinstance(item_id, bool) or not isinstance(item_id, (int, str)):
+        return LineError(number, number, f"id must be a string or an integer, got {json.dumps(item_id)}")
+    unknown = [name for name in obj if name not in ITEM_FIELDS]
+    if unknown:
+        return LineError(number, item_id, f"unknown field {unknown[0]!r}; known fields: {', '.join(ITEM_FIELDS)} (put your own data under metadata)")
+    prompt = obj.get("prompt")
+    if prompt is None:
+        return LineError(number, item_id, 'no "prompt" field; every line needs {"prompt": "..."}')
+    if not isinstance(prompt, str):
+        return LineError(number, item_id, f"prompt must be a string, got {_json_type(prompt)}")
+    if not prompt.strip():
+        return LineError(number, item_id, "the prompt is empty; give some text for the model to continue")
+    overrides = {}
+    for name, kind in SAMPLING_FIELDS.items():
+        if name in obj:
+            problem = _type_problem(obj[name], kind, allow_null=name == "seed")
+            if problem:
+                return LineError(number, item_id, f"{name} must be {problem}, got {json.dumps(obj[name])}")
+            overrides[name] = obj[name]
+    item_max_tokens = obj.get("max_tokens", max_tokens)
+    problem = _type_problem(item_max_tokens, int)
+    if problem or item_max_tokens < 1:
+        return LineError(number, item_id, f"max_tokens must be an integer >= 1, got {json.dumps(item_max_tokens)}")
+    try:
+        item_sampling = dataclasses.replace(sampling, **overrides).validate()
+    except UsageError as err:
+        return LineError(number, item_id, _field_names(str(err)))
+    echo = {"metadata": obj["metadata"]} if "metadata" in obj else {}
+    return Item(number, item_id, prompt, item_max_tokens, item_sampling, echo)
+
+
+def _field_names(message: str) -> str:
+    """A sampling message names command-line options (--top-k); an item has fields (top_k)."""
+    for name in SAMPLING_FIELDS:
+        message = message.replace("--" + name.replace("_", "-"), name)
+    return message
+
+
+def _type_problem(value: object, kind: type, *, allow_null: bool = False) -> str | None:
+    """None when `value` is a JSON value of `kind` (ints count as floats), else what it must be."""
+    if value is None and allow_null:
+        return None
+    if isinstance(value, bool):
+        return "a number" if kind is float else "an integer"
+    if kind is int:
+        return None if isinstance(value, int) else "an integer"
+    return None if isinstance(value, (int, float)) else "a number"
+
+
+def _json_type(value: object) -> str:
+    names = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+    return names.get(type(value), "null" if value is None else type(value).__name__)
+
+
+def prompt_too_long(n_prompt: int, n_ctx: int) -> str | None:
+    """The error for a prompt that leaves no room to generate (as `run` refuses it), or None."""
+    if n_prompt >= n_ctx:
+        return f"the prompt is {n_prompt} tokens but the context holds {n_ctx}; raise -c above {n_prompt} or shorten the prompt"
+    return None
+
+
+# --- output -----------------------------------------------------------------------------------
+def result_record(item: Item, result: dict) -> dict:
+    """The output line of a finished item: its id and line, `run --json`'s object, metadata."""
+    return {"id": item.id, "line": item.line, **result, **item.echo}
+
+
+@dataclass
+class Previous:
+    """What an existing output file says: which ids are done, and the lines worth keeping."""
+
+    done: set[str]  # id keys of items with a result (no error)
+    kept: list[str]  # their lines, in file order
+    n_errors: int = 0  # error records dropped (those items run again)
+    n_partial: int = 0  # unreadable lines dropped: the last line of a killed run
+
+
+def read_previous(path: Path) -> Previous:
+    """Read an output file of an earlier run. Raises UsageError when it is not one (so that a
+    wrong -o never gets rewritten)."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as err:
+        raise UsageError(f"cannot read {path} to resume: {err.strerror} (pass --overwrite to start over)") from None
+    prev = Previous(done=set(), kept=[])
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            record = None
+        if not isinstance(record, dict) or "id" not in record:
+            if number == len(lines):  # a write cut short by a kill
+                prev.n_partial += 1
+                continue
+            raise UsageError(
+                f"{path} line {number} is not a specli batch record, so it cannot be resumed; "
+                "pick another -o, or pass --overwrite to replace the file"
+            )
+        if "error" in record:
+            prev.n_errors += 1
+            continue
+        key = id_key(record["id"])
+        if key not in prev.done:
+            prev.done.add(key)
+            prev.kept.append(raw.decode("utf-8"))
+    return prev
+
+
+def write_atomically(path: Path, lines: Iterable[str]) -> None:
+    """Replace `path` with `lines` so that a crash leaves either the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            for line in lines:
+                handle.write(line + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def sort_output(path: Path, entries: list[Entry]) -> None:
+    """Rewrite the output file in input order (records of other inputs last), if needed."""
+    order = {_record_key(e.id, e.line): i for i, e in enumerate(entries)}
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    positions = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            positions.append(order.get(_record_key(record["id"], record["line"]), len(order)))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            positions.append(len(order))
+    if positions != sorted(positions):
+        write_atomically(path, [line for _, line in sorted(zip(positions, lines), key=lambda pair: pair[0])])
+
+
+def _record_key(item_id: ItemId, line: int) -> tuple[str, int]:
+    """A record's place in the input: its id and line (a duplicate id's error has its own line)."""
+    return id_key(item_id), line
+
+
+class RecordWriter:
+    """Writes one JSON record per line and flushes it at once.
+
+    in_order=True (stdout, where nothing can be rewritten later) holds a record back until every
+    earlier item's record is out; otherwise records go out as they complete.
+    """
+
+    def __init__(self, stream: IO[str], entries: list[Entry], *, in_order: bool, skip: set[str]):
+        self.stream = stream
+        self.in_order = in_order
+        # Records still expected, in input order (skipped items are not waited for).
+        self._pending = [_record_key(e.id, e.line) for e in entries if not is_done(e, skip)]
+        self._next = 0
+        self._held: dict[tuple[str, int], str] = {}
+
+    def write(self, record: dict) -> None:
+        """Write (or hold back) a record; it must have the `id` and `line` of its entry."""
+        line = json.dumps(record, ensure_ascii=False)
+        if not self.in_order:
+            self._emit(line)
+            return
+        self._held[_record_key(record["id"], record["line"])] = line
+        while self._next < len(self._pending) and self._pending[self._next] in self._held:
+            self._emit(self._held.pop(self._pending[self._next]))
+            self._next += 1
+
+    def release_held(self) -> None:
+        """Write the records still held back (an interrupted run: finished results are never
+        dropped, even if an earlier item never completed)."""
+        for key in self._pending[self._next :]:
+            if key in self._held:
+                self._emit(self._held.pop(key))
+
+    def _emit(self, line: str) -> None:
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# --- summary ----------------------------------------------------------------------------------
+@dataclass
+class Summary:
+    """Totals of one `specli batch` run (items skipped as already done count only as skipped)."""
+
+    items: int = 0  # items in the input (good and bad lines)
+    done: int = 0  # generated in this run
+    failed: int = 0  # error records written in this run
+    skipped: int = 0  # already in the output file
+    wall_s: float = 0.0  # from the first item to the last (model loading excluded)
+    interrupted: bool = False
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.stats.n_tokens / self.wall_s if self.wall_s > 0 else None
+
+    @property
+    def items_per_s(self) -> float | None:
+        return self.done / self.wall_s if self.wall_s > 0 else None
+
+    def to_dict(self) -> dict:
+        rnd = lambda x: None if x is None else round(x, 4)  # noqa: E731
+        st = self.stats
+        return {
+            "items": self.items, "done": self.done, "failed": self.failed, "skipped": self.skipped,
+            "interrupted": self.interrupted, "tokens": st.n_tokens, "wall_s": rnd(self.wall_s),
+            "tokens_per_s": rnd(self.tokens_per_s), "items_per_s": rnd(self.items_per_s),
+            "drafted": st.drafted, "accepted": st.accepted, "acceptance_rate": rnd(st.acceptance_rate),
+            "target_passes": st.target_passes, "mean_tokens_per_pass": rnd(st.mean_tokens_per_pass),
+            # Tokens per target pass bounds the speedup from above: it ignores the drafter's cost
+            # and the wider passes (measure against --target-only for the real figure).
+            "speedup_estimate": rnd(st.mean_tokens_per_pass),
+            "prompt_tokens": st.prompt_tokens,
+        }  # fmt: skip
+
+    def line(self, *, with_drafting: bool) -> str:
+        """The summary for stderr."""
+        st = self.stats
+        parts = [f"{self.items} items: {self.done} done, {self.failed} failed, {self.skipped} skipped (already done)"]
+        parts.append(f"{st.n_tokens} tokens in {self.wall_s:.2f}s")
+        if self.tokens_per_s:
+            parts.append(f"{self.tokens_per_s:.1f} tok/s, {self.items_per_s:.2f} items/s")
+        if with_drafting:
+            rate = st.acceptance_rate
+            parts.append(f"accepted {rate:.0%} ({st.accepted}/{st.drafted})" if rate is not None else "nothing drafted")
+            if st.mean_tokens_per_pass:
+                parts.append(f"{st.mean_tokens_per_pass:.2f} tokens/pass (speedup estimate, an upper bound)")
+        if self.interrupted:
+            parts.append("interrupted: run again to finish")
+        return "batch: " + " · ".join(parts)

@@ -1,0 +1,219 @@
+"""Generating for many items with the models loaded once: one at a time (`--parallel 1`, the
+very `SpeculativeDecoder` that `run` uses), or several sequences in lockstep sharing each
+target pass (`--parallel P`).
+
+Both runners yield events: a `Step` per target pass and sequence (for the progress bar), and an
+`ItemDone` when an item is finished (a Generation) or failed (an error sentence). A Ctrl-C
+propagates out of them; the item in progress is then simply not reported.
+
+The lockstep loop: every active sequence drafts for its own context (its own drafter), one
+llama_decode evaluates every sequence's [last, d1..dk] (`MultiSequenceContext`), and each
+sequence is verified by its own `SpeculativeDecoder._verify` (greedy match or rejection
+sampling, the item's settings, its own random generator), trims its own cache, and stops on
+its own; a free slot takes the next item. The bookkeeping per sequence is the one engine.py
+documents, so each item gets the tokens `run` would give it (up to batch numerics, see README).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from .batch import Item, prompt_too_long
+from .drafters import Drafter, Proposal
+from .engine import (
+    STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Generation, SpeculativeDecoder, Step,
+)  # fmt: skip
+from .errors import SpecliError
+from .llama import LlamaModel, MultiSequenceContext
+from .sampling import make_rng
+
+
+@dataclass
+class ItemDone:
+    item: Item
+    generation: Generation | None = None
+    error: str | None = None
+
+
+class DecoderPool:
+    """One SpeculativeDecoder per distinct sampling setting, all sharing the target and drafter."""
+
+    def __init__(self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int):
+        self.model_tgt, self.drafter, self.n_draft = model_tgt, drafter, n_draft
+        self._decoders: dict = {}
+
+    def get(self, item: Item) -> SpeculativeDecoder:
+        if item.sampling not in self._decoders:
+            self._decoders[item.sampling] = SpeculativeDecoder(self.model_tgt, self.drafter, self.n_draft, item.sampling)
+        return self._decoders[item.sampling]
+
+
+def tokenize_item(model_tgt: LlamaModel, item: Item) -> tuple[list[int], str | None]:
+    """The item's prompt tokens, and an error when they leave no room to generate."""
+    ids = model_tgt.tokenize(item.prompt, add_bos=model_tgt.vocab_info().add_bos)
+    return ids, prompt_too_long(len(ids), model_tgt.n_ctx)
+
+
+def run_sequential(pool: DecoderPool, items: Iterable[Item]) -> Iterator[Step | ItemDone]:
+    """One item after the other, exactly as `specli run` generates each."""
+    model_tgt = pool.model_tgt
+    for item in items:
+        prompt_ids, problem = tokenize_item(model_tgt, item)
+        if problem:
+            yield ItemDone(item, error=problem)
+            continue
+        gen = pool.get(item).generate(prompt_ids, max_tokens=item.max_tokens)
+        try:
+            yield from gen
+        except SpecliError as err:  # e.g. a failed decode: this item fails, the batch goes on
+            model_tgt.forget_untracked()
+            yield ItemDone(item, error=str(err))
+            continue
+        yield ItemDone(item, gen)
+
+
+@dataclass
+class _Slot:
+    """A sequence in the lockstep loop: the item it generates and that item's state."""
+
+    item: Item
+    gen: Generation
+    decoder: SpeculativeDecoder  # the item's settings; its _verify is the verification
+    context: list[int]  # prompt + output; context[-1] is `last`, not yet in the cache
+    rng: np.random.Generator
+    t_gen: float  # when its generation began
+    proposal: Proposal | None = None
+
+
+class ParallelRunner:
+    """`n_seq` sequences in lockstep on one target (see the module docstring).
+
+    make_drafter() gives each slot its own drafter (prompt lookup) or None (target-only): a
+    draft model would need one draft cache per sequence, which this runner does not have.
+    """
+
+    def __init__(
+        self, model_tgt: LlamaModel, make_drafter: Callable[[], Drafter | None], n_draft: int, n_seq: int,
+        *, n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
+    ):  # fmt: skip
+        self.model_tgt = model_tgt
+        self.n_ctx = model_tgt.n_ctx  # per sequence, as for `run`
+        self.drafters = [make_drafter() for _ in range(n_seq)]
+        self.pools = [DecoderPool(model_tgt, drafter, n_draft) for drafter in self.drafters]
+        self.n_draft = n_draft if self.drafters[0] is not None else 0
+        n_batch = max(512, n_seq * (self.n_draft + 1))
+        self.seqs = MultiSequenceContext(
+            model_tgt, n_seq=n_seq, n_ctx_per_seq=self.n_ctx, n_batch=n_batch,
+            n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.seqs.close()
+
+    def run(self, items: Iterable[Item]) -> Iterator[Step | ItemDone]:
+        queue = iter(items)
+        slots: list[_Slot | None] = [None] * self.seqs.n_seq
+        exhausted = False
+        while True:
+            for s in range(len(slots)):
+                while slots[s] is None and not exhausted:
+                    item = next(queue, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    prompt_ids, problem = tokenize_item(self.model_tgt, item)
+                    if problem:
+                        yield ItemDone(item, error=problem)
+                        continue
+                    slots[s] = self._start(s, item, prompt_ids)
+            active = [s for s, slot in enumerate(slots) if slot is not None]
+            if not active:
+                return
+            finished = False
+            for s in active:
+                reason = self._stop_before_pass(slots[s])
+                if reason:
+                    slots[s].gen._finish(reason)
+                    yield ItemDone(slots[s].item, slots[s].gen)
+                    slots[s] = None
+                    finished = True
+            if finished:
+                continue  # refill the freed slots first
+            yield from self._pass(slots, active)
+            for s in active:
+                if slots[s].gen.stop_reason is not None:
+                    yield ItemDone(slots[s].item, slots[s].gen)
+                    slots[s] = None
+
+    def _start(self, s: int, item: Item, prompt_ids: list[int]) -> _Slot:
+        """Put the prompt (all but `last`) into sequence s and set up its generation."""
+        decoder = self.pools[s].get(item)
+        gen = decoder.generate(prompt_ids, max_tokens=item.max_tokens)  # validates, draws the seed
+        gen._steps = None  # this loop, not the decoder's, drives it
+        t0 = time.perf_counter()
+        self.seqs.clear(s)
+        self.seqs.eval({s: prompt_ids[:-1]}, logits="none")
+        rng = make_rng(gen.seed)
+        if self.drafters[s] is not None:
+            self.drafters[s].begin(prompt_ids, decoder.sampling, rng)
+        gen.stats.prompt_tokens = len(prompt_ids)
+        gen.stats.prompt_s = time.perf_counter() - t0
+        return _Slot(item, gen, decoder, list(prompt_ids), rng, time.perf_counter())
+
+    def _stop_before_pass(self, slot: _Slot) -> str | None:
+        if len(slot.gen.token_ids) >= slot.item.max_tokens:
+            return STOP_MAX_TOKENS
+        if len(slot.context) >= self.n_ctx:
+            return STOP_CONTEXT_FULL
+        return None
+
+    def _pass(self, slots: list[_Slot | None], active: list[int]) -> Iterator[Step]:
+        """Draft for every active sequence, verify them all in one target pass, emit."""
+        requests = {}
+        for s in active:
+            slot = slots[s]
+            remaining = slot.item.max_tokens - len(slot.gen.token_ids)
+            room = self.n_ctx - len(slot.context)
+            k = min(self.n_draft, remaining - 1, room - 1)  # the pass emits up to k+1 tokens
+            t_draft = time.perf_counter()
+            drafter = self.drafters[s]
+            slot.proposal = drafter.propose(slot.context, k) if (drafter is not None and k > 0) else Proposal([])
+            slot.gen.stats.draft_s += time.perf_counter() - t_draft
+            requests[s] = [slot.context[-1], *slot.proposal.tokens]
+        t_verify = time.perf_counter()
+        logits = self.seqs.eval(requests, logits="all")
+        for s in active:
+            slot = slots[s]
+            draft = slot.proposal.tokens
+            verdict = slot.decoder._verify(logits[s], slot.proposal, slot.context, slot.rng)
+            self.seqs.truncate(s, len(slot.context) + verdict.n_accepted)
+            if self.drafters[s] is not None and draft:
+                self.drafters[s].update(len(draft), verdict.n_accepted)
+            step = _emit(slot.gen, verdict.tokens, verdict.n_accepted, len(draft), self.model_tgt)
+            slot.context.extend(verdict.tokens)
+            slot.gen.stats.verify_s += time.perf_counter() - t_verify  # the shared pass, wall time
+            slot.gen.stats.generation_s = time.perf_counter() - slot.t_gen
+            yield step
+
+
+def _emit(gen: Generation, tokens: list[int], n_accepted: int, n_drafted: int, model_tgt: LlamaModel) -> Step:
+    """Record a verified step in `gen` as engine.py does: cut at an end-of-generation token,
+    count drafts only up to it, feed the text stream, finish on EOS."""
+    emitted, stop = tokens, None
+    for i, token in enumerate(tokens):
+        if model_tgt.is_eog(token):
+            emitted, stop = tokens[:i], STOP_EOS
+            break
+    n_from_draft = min(n_accepted, len(emitted))
+    text_drafted = gen._stream.feed(emitted[:n_from_draft])
+    text_own = gen._stream.feed(emitted[n_from_draft:])
+    gen.token_ids.extend(emitted)
+    gen.text += text_drafted + text_own
+    gen.stats.record_step(n_drafted, n_from_draft, len(emitted))
+    if stop is not None:
+        gen._finish(stop)
+    return Step(emitted, text_drafted, text_own, n_drafted=n_drafted, n_accepted=n_from_draft)

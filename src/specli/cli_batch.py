@@ -1,0 +1,260 @@
+"""`specli batch`: many prompts, one model load, nothing lost.
+
+Registers on the shared Typer `app`; cli.py imports this module once. The pure parts (input
+lines, records, resume, summary) live in batch.py, the generation loops in batch_engine.py.
+
+Exit codes: 0 every line done, 1 some line failed (its error record is in the output), 2 bad
+usage (nothing generated), 130 interrupted (every finished item is in the output; run again).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from . import batch
+from .cli import (
+    EXIT_INTERRUPTED, CtxOpt, DraftNglOpt, DraftOpt, LookupOpt, MinPOpt, ModelOpt, NDraftOpt, NglOpt, QuietOpt,
+    RepeatLastNOpt, RepeatPenaltyOpt, TargetOnlyOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, VerboseOpt,
+    _load, _model_choice, _result_json, app,
+)  # fmt: skip
+from .errors import EXIT_RUNTIME, UsageError
+
+EXIT_SOME_FAILED = EXIT_RUNTIME
+
+
+@app.command("batch")
+def batch_command(
+    input_path: str = typer.Argument(..., metavar="INPUT", help="JSONL (one {\"prompt\": ...} per line) or text (one prompt per line); '-' reads stdin."),
+    output: str = typer.Option("-", "-o", "--output", help="Output JSONL, one record per input line; '-' = stdout."),
+    resume: bool = typer.Option(False, "--resume", help="Skip ids already done in the output file (the default when it exists)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start over: replace an existing output file."),
+    summary_path: Optional[Path] = typer.Option(None, "--summary", help="Also write the final summary as JSON to this file."),
+    parallel: int = typer.Option(1, "--parallel", "-P", help="Sequences sharing each target pass (above 1: with --lookup or --target-only)."),
+    input_format: str = typer.Option("auto", "--format", help="Input format: auto (by extension, else by the first line), jsonl or text."),
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    lookup: LookupOpt = False,
+    target_only: TargetOnlyOpt = False,
+    n_draft: NDraftOpt = None,
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Generated tokens at most per item (an item's max_tokens overrides it)."),
+    ctx: CtxOpt = 4096,
+    ngl: NglOpt = -1,
+    draft_ngl: DraftNglOpt = -1,
+    threads: ThreadsOpt = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+    temperature: TemperatureOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for every item (default: a fresh one per item, reported in its record)."),
+) -> int:
+    """Generate for every prompt of INPUT with the models loaded once; one JSON record per line
+    (in input order), a summary on stderr. Re-running with the same output resumes."""
+    from .llama import init_backend
+    from .loading import plan
+
+    choice = _model_choice(
+        model, draft, lookup, target_only, n_draft, max_tokens, ctx, ngl, draft_ngl, threads,
+        temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
+    )  # fmt: skip
+    if parallel < 1:
+        raise UsageError(f"--parallel must be at least 1, got {parallel}")
+    if input_format not in batch.FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(batch.FORMATS)}, got {input_format!r}")
+    out_path = _check_output(output, input_path, resume=resume, overwrite=overwrite)
+    if summary_path is not None and not summary_path.parent.is_dir():
+        raise UsageError(f"cannot write {summary_path}: folder {summary_path.parent} does not exist")
+
+    lines = batch.read_input(input_path, sys.stdin.buffer)
+    fmt = batch.detect_format(input_path, lines, input_format)
+    entries = batch.parse_lines(lines, fmt, choice.sampling, max_tokens)
+    previous = batch.read_previous(out_path) if out_path is not None and out_path.exists() and not overwrite else None
+
+    init_backend(verbose=verbose)
+    the_plan = plan(choice)
+    if parallel > 1 and the_plan.mode == "draft-model":
+        raise UsageError("--parallel above 1 works with --lookup or --target-only (a draft model keeps one cache per sequence); use --parallel 1 with -d")
+    if previous is not None and not quiet:
+        print(_resume_notice(out_path, previous, entries), file=sys.stderr)
+    loaded = _load(the_plan, choice, quiet=quiet)
+    try:
+        summary = _run(loaded, the_plan, choice, entries, previous, out_path, parallel, quiet=quiet or verbose)
+    finally:
+        loaded.close()
+
+    with_drafting = the_plan.mode != "target-only"
+    if not quiet:
+        print(summary.line(with_drafting=with_drafting), file=sys.stderr)
+    if summary_path is not None:
+        settings = {"target": str(the_plan.target_path), "draft": the_plan.draft_label, "n_draft": the_plan.n_draft if with_drafting else 0,
+                    "parallel": parallel, "input": input_path, "output": output}  # fmt: skip
+        summary_path.write_text(_json({**summary.to_dict(), **settings}) + "\n", encoding="utf-8")
+    if summary.interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_SOME_FAILED if summary.failed else 0
+
+
+def _json(obj) -> str:
+    import json
+
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def _check_output(output: str, input_path: str, *, resume: bool, overwrite: bool) -> Path | None:
+    """The output file (None for stdout), checked before anything loads."""
+    if resume and overwrite:
+        raise UsageError("--resume and --overwrite contradict each other; pick one")
+    if output == "-":
+        if resume:
+            raise UsageError("--resume needs an output file (-o FILE); stdout cannot be read back")
+        return None
+    path = Path(output)
+    if path.is_dir():
+        raise UsageError(f"-o {output} is a directory; give a file name for the JSONL output")
+    if not path.parent.is_dir():
+        raise UsageError(f"cannot write {output}: folder {path.parent} does not exist")
+    if input_path != "-" and Path(input_path).exists() and path.exists() and path.resolve() == Path(input_path).resolve():
+        raise UsageError("the output file is the input file; write the results to another file (-o)")
+    return path
+
+
+def _resume_notice(path: Path, previous: batch.Previous, entries: list[batch.Entry]) -> str:
+    keys = {batch.id_key(e.id) for e in entries}
+    done = len(previous.done & keys)
+    text = f"resuming {path}: {done} of {len(entries)} items already done"
+    if previous.n_errors:
+        text += f"; {previous.n_errors} error record(s) from the earlier run are retried"
+    if previous.n_partial:
+        text += "; an incomplete last line was dropped"
+    return text + " (--overwrite starts over)"
+
+
+def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, quiet: bool) -> batch.Summary:
+    """Generate every item not yet done, writing each record as it completes."""
+    from .batch_engine import DecoderPool, ItemDone, ParallelRunner, run_sequential
+    from .drafters import PromptLookupDrafter
+
+    done_before = previous.done if previous is not None else set()
+    summary = batch.Summary(items=len(entries))
+    todo = []
+    for entry in entries:
+        if batch.is_done(entry, done_before):
+            summary.skipped += 1
+        else:
+            todo.append(entry)
+
+    if out_path is None:
+        stream = sys.stdout
+        writer = batch.RecordWriter(stream, entries, in_order=True, skip=done_before)
+    else:
+        if previous is not None and (previous.n_errors or previous.n_partial):
+            batch.write_atomically(out_path, previous.kept)  # drop what is retried, then append
+        stream = out_path.open("a" if previous is not None else "w", encoding="utf-8")
+        writer = batch.RecordWriter(stream, entries, in_order=False, skip=done_before)
+
+    runner = None
+    if parallel > 1:
+        make_drafter = PromptLookupDrafter if the_plan.mode == "lookup" else (lambda: None)
+        runner = ParallelRunner(loaded.model_tgt, make_drafter, loaded.decoder.n_draft, parallel, n_threads=choice.threads)
+        events = runner.run(_items_writing_errors(todo, writer, summary))
+    else:
+        pool = DecoderPool(loaded.model_tgt, loaded.decoder.drafter, loaded.decoder.n_draft)
+        events = run_sequential(pool, _items_writing_errors(todo, writer, summary))
+
+    n_items = sum(isinstance(entry, batch.Item) for entry in todo)
+    progress = _Progress(n_items, enabled=not quiet and sys.stderr.isatty(), with_drafting=the_plan.mode != "target-only")
+    t0 = time.perf_counter()
+    try:
+        with progress:
+            for event in events:
+                if isinstance(event, ItemDone):
+                    if event.error is not None:
+                        writer.write(batch.LineError(event.item.line, event.item.id, event.error).record())
+                        summary.failed += 1
+                    else:
+                        gen = event.generation
+                        item_plan = _plan_for(the_plan, event.item)
+                        writer.write(batch.result_record(event.item, _result_json(gen, item_plan)))
+                        summary.done += 1
+                        summary.stats.add(gen.stats)
+                    progress.item_done()
+                else:
+                    progress.step(event)
+    except KeyboardInterrupt:
+        summary.interrupted = True  # the item(s) in progress are not written: a re-run does them
+    finally:
+        summary.wall_s = time.perf_counter() - t0
+        writer.release_held()
+        if runner is not None:
+            runner.close()
+        if out_path is not None:
+            stream.close()
+            batch.sort_output(out_path, entries)
+    return summary
+
+
+def _items_writing_errors(entries, writer, summary):
+    """The items to generate, in order; bad lines are written as error records on the way."""
+    for entry in entries:
+        if isinstance(entry, batch.LineError):
+            writer.write(entry.record())
+            summary.failed += 1
+        else:
+            yield entry
+
+
+def _plan_for(the_plan, item):
+    """The plan as this item ran it (its sampling may override the command line's)."""
+    import dataclasses
+
+    return the_plan if item.sampling == the_plan.sampling else dataclasses.replace(the_plan, sampling=item.sampling)
+
+
+class _Progress:
+    """A Rich progress bar on stderr (items, tokens/s, acceptance, ETA); nothing when disabled."""
+
+    def __init__(self, total: int, *, enabled: bool, with_drafting: bool):
+        self.enabled = enabled
+        self.with_drafting = with_drafting
+        self.tokens = self.drafted = self.accepted = 0
+        self.t0 = time.perf_counter()
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            from .ui import stderr_console
+
+            columns = (TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rates]}"), TimeRemainingColumn())
+            self._progress = Progress(*columns, console=stderr_console(), transient=True)
+            self._task = self._progress.add_task("batch", total=total, rates="")
+
+    def __enter__(self):
+        if self.enabled:
+            self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._progress.__exit__(*exc)
+
+    def step(self, step) -> None:
+        self.tokens += len(step.tokens)
+        self.drafted += step.n_drafted
+        self.accepted += step.n_accepted
+        if self.enabled:
+            elapsed = time.perf_counter() - self.t0
+            rates = f"{self.tokens / elapsed:.1f} tok/s" if elapsed > 0 else ""
+            if self.with_drafting and self.drafted:
+                rates += f"  accepted {self.accepted / self.drafted:.0%}"
+            self._progress.update(self._task, rates=rates)
+
+    def item_done(self) -> None:
+        if self.enabled:
+            self._progress.advance(self._task)
