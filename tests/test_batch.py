@@ -128,11 +128,12 @@ def test_item_sampling_fields_override_the_command_line(tmp_path, pair_perturbed
         {"id": "hot", "prompt": PROMPTS[0], "temperature": 1.3, "seed": 7, "top_k": 0},
         {"id": "cli", "prompt": PROMPTS[0]},
     ])  # fmt: skip
-    result = specli("batch", str(src), "-m", target, "-d", draft, "--max-tokens", "20", "--temperature", "0.9", "--seed", "3", "-q", *ONE)
+    # A fixed -n: with -n auto a seed replays the distribution, not the text (README).
+    result = specli("batch", str(src), "-m", target, "-d", draft, "-n", "4", "--max-tokens", "20", "--temperature", "0.9", "--seed", "3", "-q", *ONE)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     hot, cli = map(json.loads, result.stdout.splitlines())
-    expected_hot = run_json(target, PROMPTS[0], "-d", draft, "--max-tokens", "20", "--temperature", "1.3", "--seed", "7", "--top-k", "0")
-    expected_cli = run_json(target, PROMPTS[0], "-d", draft, "--max-tokens", "20", "--temperature", "0.9", "--seed", "3")
+    expected_hot = run_json(target, PROMPTS[0], "-d", draft, "-n", "4", "--max-tokens", "20", "--temperature", "1.3", "--seed", "7", "--top-k", "0")
+    expected_cli = run_json(target, PROMPTS[0], "-d", draft, "-n", "4", "--max-tokens", "20", "--temperature", "0.9", "--seed", "3")
     assert hot["token_ids"] == expected_hot["token_ids"] and hot["sampling"] == expected_hot["sampling"] and hot["seed"] == 7
     assert cli["token_ids"] == expected_cli["token_ids"] and cli["seed"] == 3
 
@@ -296,8 +297,13 @@ def generate(events) -> dict:
 
 
 @pytest.mark.parametrize("drafting", ["lookup", "target-only"])
-@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.9, seed=11)], ids=["greedy", "sampled"])
-def test_parallel_equals_sequential_token_for_token(pair_perturbed, drafting, sampling):
+@pytest.mark.parametrize("sampling, n_draft", [
+    (GREEDY, 5), (GREEDY, "auto"),
+    # Sampled runs with a fixed N only: with auto the draft lengths follow timings, and the
+    # random draws follow the draft lengths (README).
+    (SamplingParams(temperature=0.9, seed=11), 5),
+], ids=["greedy", "greedy-auto", "sampled"])  # fmt: skip
+def test_parallel_equals_sequential_token_for_token(pair_perturbed, drafting, sampling, n_draft):
     """F32 weights, F32 cache, flash attention off: the numerics under which a multi-sequence
     pass gives the logits of a single-sequence one (~1e-5), so every item must match exactly."""
     model = load(pair_perturbed[0], n_ctx=256)
@@ -305,10 +311,10 @@ def test_parallel_equals_sequential_token_for_token(pair_perturbed, drafting, sa
     try:
         prompts = [*PROMPTS, "word " * 300, *PROMPTS[::-1]]  # one prompt too long for n_ctx 256
         items = engine_items(prompts, sampling)
-        reference = generate(run_sequential(DecoderPool(model, make_drafter(), 5), items))
+        reference = generate(run_sequential(DecoderPool(model, make_drafter(), n_draft), items))
         assert "raise -c" in reference["p6"]
         for n_seq in (2, 3):
-            runner = ParallelRunner(model, make_drafter, 5, n_seq, n_threads=1, kv_type="f32", flash_attn="off")
+            runner = ParallelRunner(model, make_drafter, n_draft, n_seq, n_threads=1, kv_type="f32", flash_attn="off")
             try:
                 assert generate(runner.run(items)) == reference, n_seq
             finally:

@@ -24,9 +24,7 @@ import numpy as np
 
 from .batch import Item, prompt_too_long
 from .drafters import Drafter, Proposal
-from .engine import (
-    STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Generation, SpeculativeDecoder, Step,
-)  # fmt: skip
+from .engine import AUTO, AUTO_MAX_DRAFT, STOP_CONTEXT_FULL, STOP_MAX_TOKENS, Generation, SpeculativeDecoder, Step
 from .errors import SpecliError
 from .llama import LlamaModel, MultiSequenceContext
 from .sampling import make_rng
@@ -42,7 +40,7 @@ class ItemDone:
 class DecoderPool:
     """One SpeculativeDecoder per distinct sampling setting, all sharing the target and drafter."""
 
-    def __init__(self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int):
+    def __init__(self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int | str):
         self.model_tgt, self.drafter, self.n_draft = model_tgt, drafter, n_draft
         self._decoders: dict = {}
 
@@ -87,6 +85,7 @@ class _Slot:
     rng: np.random.Generator
     t_gen: float  # when its generation began
     proposal: Proposal | None = None
+    draft_s: float = 0.0  # time its latest proposal took
 
 
 class ParallelRunner:
@@ -94,18 +93,21 @@ class ParallelRunner:
 
     make_drafter() gives each slot its own drafter (prompt lookup) or None (target-only): a
     draft model would need one draft cache per sequence, which this runner does not have.
+    With `-n auto` each slot's policy sizes its drafts; a shared pass is charged to each
+    sequence in proportion to the tokens it put into it (an approximation: one sequence's
+    extra drafts widen a pass that the others share).
     """
 
     def __init__(
-        self, model_tgt: LlamaModel, make_drafter: Callable[[], Drafter | None], n_draft: int, n_seq: int,
+        self, model_tgt: LlamaModel, make_drafter: Callable[[], Drafter | None], n_draft: int | str, n_seq: int,
         *, n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
     ):  # fmt: skip
         self.model_tgt = model_tgt
         self.n_ctx = model_tgt.n_ctx  # per sequence, as for `run`
         self.drafters = [make_drafter() for _ in range(n_seq)]
         self.pools = [DecoderPool(model_tgt, drafter, n_draft) for drafter in self.drafters]
-        self.n_draft = n_draft if self.drafters[0] is not None else 0
-        n_batch = max(512, n_seq * (self.n_draft + 1))
+        longest = AUTO_MAX_DRAFT if n_draft == AUTO else n_draft
+        n_batch = max(512, n_seq * ((longest if self.drafters[0] is not None else 0) + 1))
         self.seqs = MultiSequenceContext(
             model_tgt, n_seq=n_seq, n_ctx_per_seq=self.n_ctx, n_batch=n_batch,
             n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
@@ -178,42 +180,34 @@ class ParallelRunner:
             slot = slots[s]
             remaining = slot.item.max_tokens - len(slot.gen.token_ids)
             room = self.n_ctx - len(slot.context)
-            k = min(self.n_draft, remaining - 1, room - 1)  # the pass emits up to k+1 tokens
+            k = min(slot.decoder.n_draft, remaining - 1, room - 1)  # the pass emits up to k+1 tokens
             t_draft = time.perf_counter()
             drafter = self.drafters[s]
-            slot.proposal = drafter.propose(slot.context, k) if (drafter is not None and k > 0) else Proposal([])
-            slot.gen.stats.draft_s += time.perf_counter() - t_draft
+            slot.proposal = (
+                drafter.propose(slot.context, k, slot.decoder.judge) if (drafter is not None and k > 0) else Proposal([])
+            )
+            slot.draft_s = time.perf_counter() - t_draft
+            slot.gen.stats.draft_s += slot.draft_s
             requests[s] = [slot.context[-1], *slot.proposal.tokens]
         t_verify = time.perf_counter()
         logits = self.seqs.eval(requests, logits="all")
+        pass_s = time.perf_counter() - t_verify
+        n_pass = sum(len(tokens) for tokens in requests.values())
         for s in active:
             slot = slots[s]
             draft = slot.proposal.tokens
             verdict = slot.decoder._verify(logits[s], slot.proposal, slot.context, slot.rng)
+            if slot.decoder.adaptive:
+                share = pass_s * len(requests[s]) / n_pass
+                slot.decoder.judge.observe(slot.proposal.source, len(draft), verdict.n_accepted,
+                                           slot.proposal.confidences, slot.draft_s, len(requests[s]), share)  # fmt: skip
             self.seqs.truncate(s, len(slot.context) + verdict.n_accepted)
             if self.drafters[s] is not None and draft:
                 self.drafters[s].update(len(draft), verdict.n_accepted)
-            step = _emit(slot.gen, verdict.tokens, verdict.n_accepted, len(draft), self.model_tgt)
+            step = slot.gen.record(verdict.tokens, verdict.n_accepted, len(draft), self.model_tgt.is_eog, slot.proposal.source)
             slot.context.extend(verdict.tokens)
             slot.gen.stats.verify_s += time.perf_counter() - t_verify  # the shared pass, wall time
             slot.gen.stats.generation_s = time.perf_counter() - slot.t_gen
             yield step
 
 
-def _emit(gen: Generation, tokens: list[int], n_accepted: int, n_drafted: int, model_tgt: LlamaModel) -> Step:
-    """Record a verified step in `gen` as engine.py does: cut at an end-of-generation token,
-    count drafts only up to it, feed the text stream, finish on EOS."""
-    emitted, stop = tokens, None
-    for i, token in enumerate(tokens):
-        if model_tgt.is_eog(token):
-            emitted, stop = tokens[:i], STOP_EOS
-            break
-    n_from_draft = min(n_accepted, len(emitted))
-    text_drafted = gen._stream.feed(emitted[:n_from_draft])
-    text_own = gen._stream.feed(emitted[n_from_draft:])
-    gen.token_ids.extend(emitted)
-    gen.text += text_drafted + text_own
-    gen.stats.record_step(n_drafted, n_from_draft, len(emitted))
-    if stop is not None:
-        gen._finish(stop)
-    return Step(emitted, text_drafted, text_own, n_drafted=n_drafted, n_accepted=n_from_draft)

@@ -84,6 +84,25 @@ class Generation:
         if self.stop_reason is None:
             self._finish(STOP_INTERRUPTED)
 
+    def record(self, tokens: list[int], n_accepted: int, n_drafted: int, is_eog, source: str | None = None) -> Step:
+        """Book one verified pass: `tokens` = the verdict's (accepted drafts, then the target's
+        own), cut at the first end-of-generation token (not emitted; it finishes the
+        generation); drafts past it do not count as accepted. Returns the Step event."""
+        emitted, stop = tokens, None
+        for i, token in enumerate(tokens):
+            if is_eog(token):
+                emitted, stop = tokens[:i], STOP_EOS
+                break
+        n_from_draft = min(n_accepted, len(emitted))
+        text_drafted = self._stream.feed(emitted[:n_from_draft])
+        text_own = self._stream.feed(emitted[n_from_draft:])
+        self.token_ids.extend(emitted)
+        self.text += text_drafted + text_own
+        self.stats.record_step(n_drafted, n_from_draft, len(emitted), source=source if n_drafted else None)
+        if stop is not None:
+            self._finish(stop)
+        return Step(emitted, text_drafted, text_own, n_drafted=n_drafted, n_accepted=n_from_draft)
+
     def _finish(self, reason: str) -> None:
         self.stop_reason = reason
         if self._stream is not None:
@@ -202,26 +221,13 @@ class SpeculativeDecoder:
                 self.judge.observe(proposal.source, len(draft), verdict.n_accepted, proposal.confidences,
                                    t_verify - t_draft, len(draft) + 1, t_done - t_verify)  # fmt: skip
 
-            emitted = verdict.tokens
-            stop = None
-            for i, token in enumerate(emitted):
-                if model_tgt.is_eog(token):
-                    emitted, stop = emitted[:i], STOP_EOS
-                    break
-            n_from_draft = min(verdict.n_accepted, len(emitted))  # drafts past an EOS don't count
-            text_drafted = gen._stream.feed(emitted[:n_from_draft])
-            text_own = gen._stream.feed(emitted[n_from_draft:])
+            step = gen.record(verdict.tokens, verdict.n_accepted, len(draft), model_tgt.is_eog, proposal.source)
             context.extend(verdict.tokens)
-            gen.token_ids.extend(emitted)
-            gen.text += text_drafted + text_own
-            stats.record_step(len(draft), n_from_draft, len(emitted), source=proposal.source if draft else None)
             stats.draft_s += t_verify - t_draft
             stats.verify_s += t_done - t_verify
             stats.generation_s = time.perf_counter() - t_gen
-            if stop is not None:
-                gen._finish(stop)
-            yield Step(emitted, text_drafted, text_own, n_drafted=len(draft), n_accepted=n_from_draft)
-            if stop is not None:
+            yield step
+            if gen.stop_reason is not None:
                 return
 
     def _verify(self, logits_tgt: np.ndarray, proposal: Proposal, context: list[int], rng) -> Verdict:
