@@ -34,6 +34,7 @@ PROBE_LENGTH = 2
 PROBE_EVERY_MIN = 8  # plain steps before the first re-probe
 PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this
 PROBE_FADE = 0.1  # evidence kept when a probe starts
+LOOKAHEAD = 8  # drafts after the current one that `keep` weighs
 
 
 def expected_tokens(accept: Sequence[float]) -> list[float]:
@@ -84,26 +85,40 @@ class PassCost:
         return bool(self._mean)
 
     def __call__(self, n_tokens: int) -> float:
+        return self.table(n_tokens)[n_tokens]
+
+    def table(self, n_top: int) -> list[float]:
+        """[T(0) = 0, T(1), ..., T(n_top)]: every size a step may ask about, in one pass.
+
+        Between measured sizes: interpolated. Beyond the longest measured: optimistic (the
+        smaller of the fitted and the prior slope), so that a longer draft gets tried, measured,
+        and then judged on its real cost; a pessimistic guess would never be put to the test.
+        Below the shortest: the steeper of the fitted slope and the slope between the two
+        shortest sizes (costs rise fastest there on a CPU); a low guess favours a plain pass,
+        which then measures T(1).
+        """
         if not self._mean:
-            return 1.0 + PRIOR_SLOPE * (n_tokens - 1)  # relative units until a pass is timed
+            return [0.0] + [1.0 + PRIOR_SLOPE * (n - 1) for n in range(1, n_top + 1)]  # relative units
         sizes = sorted(self._mean)
-        if n_tokens in self._mean:
-            return self._mean[n_tokens]
-        lo = [s for s in sizes if s < n_tokens]
-        hi = [s for s in sizes if s > n_tokens]
-        if lo and hi:
-            a, b = lo[-1], hi[0]
-            w = (n_tokens - a) / (b - a)
-            return (1 - w) * self._mean[a] + w * self._mean[b]
-        if lo:
-            # Beyond the longest pass measured: optimistic (the smaller of the fitted and the
-            # prior slope), so that a longer draft gets tried, measured, and then judged on
-            # its real cost. A pessimistic guess would never be put to the test.
-            edge = lo[-1]
-            slope = min(self._fitted_slope(), self._prior_slope())
-        else:
-            edge, slope = hi[0], self._fitted_slope()
-        return max(self._mean[edge] + slope * (n_tokens - edge), 1e-9)
+        means = [self._mean[size] for size in sizes]
+        fitted = self._fitted_slope()
+        up = min(fitted, self._prior_slope())
+        down = max(fitted, (means[1] - means[0]) / (sizes[1] - sizes[0])) if len(sizes) >= 2 else fitted
+        out, j = [0.0], 0
+        for n in range(1, n_top + 1):
+            while j < len(sizes) and sizes[j] < n:
+                j += 1
+            if j < len(sizes) and sizes[j] == n:
+                t = means[j]
+            elif j == 0:
+                t = means[0] - down * (sizes[0] - n)
+            elif j == len(sizes):
+                t = means[-1] + up * (n - sizes[-1])
+            else:
+                w = (n - sizes[j - 1]) / (sizes[j] - sizes[j - 1])
+                t = (1 - w) * means[j - 1] + w * means[j]
+            out.append(max(t, 1e-9))
+        return out
 
     def _prior_slope(self) -> float:
         """PRIOR_SLOPE of a one-token pass, scaled from the shortest pass measured."""
@@ -170,6 +185,17 @@ class ConfidenceCalibration:
     def __init__(self) -> None:
         self.judged = [0.0] * self.BINS
         self.accepted = [0.0] * self.BINS
+        self.first_seen = [0.0] * self.BINS  # how often the first draft token falls in each bin
+
+    def fade(self, keep: float) -> None:
+        """Keep only this fraction of the verdicts (see PositionalAcceptance.fade)."""
+        self.judged = [j * keep for j in self.judged]
+        self.accepted = [a * keep for a in self.accepted]
+
+    def saw_first(self, confidence: float) -> None:
+        """The drafter looked at a first token with this confidence (kept or not)."""
+        self.first_seen = [n * DECAY for n in self.first_seen]
+        self.first_seen[self._bin(confidence)] += 1
 
     def _bin(self, confidence: float) -> int:
         return min(int(confidence * self.BINS), self.BINS - 1)
@@ -181,9 +207,36 @@ class ConfidenceCalibration:
             self.accepted[b] = self.accepted[b] * DECAY + (1 if i < n_accepted else 0)
 
     def rate(self, confidence: float) -> float:
-        b = self._bin(confidence)
+        return self.bin_rate(self._bin(confidence))
+
+    def bin_rate(self, b: int) -> float:
         centre = (b + 0.5) / self.BINS
         return (self.accepted[b] + PRIOR_WEIGHT * centre) / (self.judged[b] + PRIOR_WEIGHT)
+
+
+def gated_rate(first: ConfidenceCalibration, later: Sequence[float], t_draft: float, costs: Sequence[float]) -> float | None:
+    """Tokens per second of drafting with a confidence gate: pay t_draft to see the first
+    token's confidence, keep it (and continue with the best number of later drafts, accepted
+    with the rates `later`) only in the bins where that pays, else make a plain pass.
+
+    Long-run rate = expected tokens per step / expected seconds per step, over the recent mix
+    of first-token confidences. None before any first token was seen. costs[n] = T(n).
+    """
+    total = sum(first.first_seen)
+    if total == 0 or len(costs) < 3:
+        return None
+    # After a kept first token: j more drafts, chosen for the best rate of the continuation.
+    cont = expected_tokens(later[: len(costs) - 3])
+    j = max(range(len(cont)), key=lambda j: cont[j] / ((1 + j) * t_draft + costs[j + 2]))
+    kept_extra = j * t_draft + costs[j + 2] - costs[1]  # over looking and a plain pass
+    bins = sorted(range(first.BINS), key=first.bin_rate, reverse=True)
+    tokens, seconds, best = 1.0, t_draft + costs[1], 0.0  # nothing kept: look, then a plain pass
+    for b in bins:  # keep the most promising bins first; the best prefix is the gate
+        f = first.first_seen[b] / total
+        tokens += f * first.bin_rate(b) * cont[j]
+        seconds += f * kept_extra
+        best = max(best, tokens / seconds)
+    return best
 
 
 @dataclass
@@ -228,10 +281,14 @@ class AdaptivePolicy(DraftJudge):
         self.max_draft = max_draft
         self.pass_cost = PassCost()
         self._sources: dict[str, SourceState] = {}
-        # The proposal being built: expected tokens, P(all so far accepted), drafts so far.
+        # The proposal being built: expected tokens, P(all so far accepted), whether it is a
+        # probe, and this step's figures (T(n) table, a_i, t_draft), computed once in limit().
         self._expected = 1.0
         self._all_accepted = 1.0
         self._probing = False
+        self._costs: list[float] = []
+        self._rates: list[float] = []
+        self._t_draft_now = 0.0
 
     def source(self, name: str) -> SourceState:
         if name not in self._sources:
@@ -246,11 +303,26 @@ class AdaptivePolicy(DraftJudge):
     def limit(self, source: str, n_max: int) -> int:
         state = self.source(source)
         self._expected, self._all_accepted, self._probing = 1.0, 1.0, False
+        if 0 < state.plain_streak < state.probe_every - 1:
+            # Drafting did not pay at the last decision, and acceptance estimates only change
+            # when something is drafted: stay plain, at no cost, until the next probe is due.
+            state.plain_streak += 1
+            return 0
         n_max = min(n_max, self.max_draft)
-        k = best_length(state.acceptance.rates(n_max), self._t_draft(state), self.pass_cost)
+        self._costs = self.pass_cost.table(n_max + 1)
+        self._rates = state.acceptance.rates(n_max)
+        self._t_draft_now = self._t_draft(state)
+        gated = None
+        if state.t_draft is not None and self._has_confidence(state):
+            gated = gated_rate(state.calibration, self._rates[1:], self._t_draft_now, self._costs)
+        if gated is not None:
+            # A draft model: whether to look at its first token at all; `keep` gates the rest.
+            k = n_max if gated > 1 / self._costs[1] else 0
+        else:
+            k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__)
         if k > 0:
             state.plain_streak, state.probe_every = 0, PROBE_EVERY_MIN
-            return n_max if state.t_draft is not None and self._has_confidence(state) else k
+            return k
         state.plain_streak += 1
         if state.plain_streak >= state.probe_every and n_max > 0:
             # Drafting has not paid lately: try a short draft to see if the text has changed.
@@ -259,6 +331,7 @@ class AdaptivePolicy(DraftJudge):
             self._probing = True
             # The old verdicts are what made drafting stop; the probe's says if that still holds.
             state.acceptance.fade(PROBE_FADE)
+            state.calibration.fade(PROBE_FADE)
             return min(PROBE_LENGTH, n_max)
         return 0
 
@@ -269,22 +342,28 @@ class AdaptivePolicy(DraftJudge):
     def keep(self, source: str, position: int, confidence: float) -> bool:
         """Keep draft `position` if a pass including it (and the drafts expected after it) is
         expected to yield more tokens per second than a pass that stops before it."""
+        state = self.source(source)
+        if position == 0:
+            state.calibration.saw_first(confidence)
         if self._probing:
             return True
-        state = self.source(source)
-        t_draft = self._t_draft(state)
+        if position + 2 >= len(self._costs):
+            return False  # beyond what limit() allowed
+        costs, t_draft = self._costs, self._t_draft_now
         spent = (position + 1) * t_draft  # drafting cost already paid, whatever we decide
-        rate_without = self._expected / (spent + self.pass_cost(position + 1))
+        rate_without = self._expected / (spent + costs[position + 1])
         a_here = state.calibration.rate(confidence)
-        later = state.acceptance.rates(self.max_draft)[position + 1 :]
+        later = self._rates[position + 1 : position + 1 + LOOKAHEAD]
         expected, all_accepted = self._expected, self._all_accepted * a_here
         best_with = 0.0
         for extra, a in enumerate([a_here, *later]):
+            n = position + 1 + extra  # drafts in the pass
+            if n + 1 >= len(costs):
+                break
             if extra:
                 all_accepted *= a
             expected += all_accepted
-            n = position + 1 + extra  # drafts in the pass
-            best_with = max(best_with, expected / (spent + extra * t_draft + self.pass_cost(n + 1)))
+            best_with = max(best_with, expected / (spent + extra * t_draft + costs[n + 1]))
         if best_with <= rate_without:
             return False
         self._all_accepted *= a_here
