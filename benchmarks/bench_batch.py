@@ -58,7 +58,7 @@ CONFIGS = [  # (label, drafting, parallel)
 ]
 
 
-def run_config(model: LlamaModel, drafting: str, parallel: int, items: list[Item], n_draft: int, threads: int | None) -> dict:
+def run_config(model: LlamaModel, drafting: str, parallel: int, items: list[Item], n_draft: int | str, threads: int | None) -> dict:
     make_drafter = PromptLookupDrafter if drafting == "lookup" else (lambda: None)
     runner = None
     t0 = time.perf_counter()
@@ -86,7 +86,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=GEMMA)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--n", type=int, default=16, help="draft tokens per step (lookup)")
+    parser.add_argument("--n", type=lambda v: v if v == "auto" else int(v), default="auto",
+                        help="draft tokens per step (lookup): auto (default) or a number")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--ctx", type=int, default=512)

@@ -6,7 +6,9 @@ every configuration runs `--repeat` times, interleaved (the order rotates per ro
 best round counts (interference only slows runs down). Each side's speedup is over its own
 plain decoding; the ratio of the two speedups is the figure that travels across machines.
 
-1. Plain decoding: specli --target-only vs `llama-bench` tg (goal: ratio >= 0.97), and vs
+1. Plain decoding: specli --target-only vs `llama-bench` tg at the same context depth (the
+   prompt's token count, `-d`: attention over a longer context costs more) (goal: ratio >=
+   0.97), and vs
    native plain decoding of the same prompt (llama-speculative-simple with a lookup key that
    never matches: the same loop and clock as the native speculative runs).
 2. Prompt lookup on Gemma 3 270M Q4_K_M: specli --lookup, -n 16 and -n auto, vs
@@ -68,9 +70,10 @@ def plan(args, gemma_q4: Path, gemma_f16: Path | None, pairs: dict[str, tuple[Pa
     jobs: list[Job] = []
     files = args.prompt_files
     if "plain" in args.only or "lookup" in args.only:
-        jobs.append(Job("llama-bench tg", "gemma-q4/-", llama_bench_cmd(args.bins["llama-bench"], args), "llama-bench"))
         for name, text in PROMPTS.items():
             at = f"gemma-q4/{name}"
+            depth = ["-d", str(args.prompt_tokens[name])]
+            jobs.append(Job("llama-bench tg", at, [*llama_bench_cmd(args.bins["llama-bench"], args), *depth], "llama-bench"))
             jobs.append(Job("specli plain", at, specli_cmd(args, gemma_q4, text, ["--target-only"]), "specli"))
             jobs.append(Job("native plain", at, native_cmd(args, gemma_q4, files[name], NATIVE_PLAIN), "spec-simple"))
             if "lookup" in args.only:
@@ -102,7 +105,9 @@ def execute(job: Job, rnd: int, max_tokens: int) -> Run:
         return run_specli(job.config, job.prompt, rnd, job.cmd)
     if job.kind == "spec-simple":
         return run_spec_simple(job.config, job.prompt, rnd, job.cmd, PROMPTS.get(prompt_name, ""), max_tokens)
-    return run_llama_bench(rnd, job.cmd, max_tokens)
+    run = run_llama_bench(rnd, job.cmd, max_tokens)
+    run.prompt = job.prompt  # one llama-bench per prompt depth
+    return run
 
 
 def summarize(runs: list[Run]) -> dict[tuple[str, str], dict]:
@@ -143,16 +148,17 @@ def report(summary: dict, args) -> None:
     get = lambda at, config: summary.get((at, config), {})  # noqa: E731
     tps = lambda at, config: get(at, config).get("best")  # noqa: E731
     acc = lambda at, config: get(at, config).get("acceptance")  # noqa: E731
-    bench = tps("gemma-q4/-", "llama-bench tg")
-    if bench is not None:
+    if any(config == "llama-bench tg" for _, config in summary):
         rows = []
         for name in PROMPTS:
             at = f"gemma-q4/{name}"
-            rows.append([name, fmt(tps(at, "specli plain")), fmt(tps(at, "native plain")), fmt(bench),
+            bench = tps(at, "llama-bench tg")
+            rows.append([f"{name} ({args.prompt_tokens[name]} tokens)", fmt(tps(at, "specli plain")),
+                         fmt(tps(at, "native plain")), fmt(bench),
                          fmt(ratio(tps(at, "specli plain"), bench), ".2f"),
                          fmt(ratio(tps(at, "specli plain"), tps(at, "native plain")), ".2f")])  # fmt: skip
         table(f"Plain decoding, Gemma 3 270M Q4_K_M, {args.max_tokens} tokens (tok/s)",
-              ["prompt", "specli --target-only", "native plain (same prompt)", f"llama-bench tg{args.max_tokens}",
+              ["prompt", "specli --target-only", "native plain (same prompt)", f"llama-bench tg{args.max_tokens} -d PROMPT",
                "specli / llama-bench", "specli / native plain"], rows)  # fmt: skip
     if "lookup" in args.only:
         rows = []
@@ -195,6 +201,18 @@ def report(summary: dict, args) -> None:
                "ratio auto / best native"], rows)  # fmt: skip
 
 
+def prompt_token_counts(model_path: Path) -> dict[str, int]:
+    """Gemma tokens of each prompt, BOS included, as `specli run` evaluates them."""
+    from specli.llama import LlamaModel, init_backend
+
+    init_backend()
+    model = LlamaModel(model_path, n_ctx=512)
+    try:
+        return {name: len(model.tokenize(text, add_bos=model.vocab_info().add_bos)) for name, text in PROMPTS.items()}
+    finally:
+        model.close()
+
+
 def _pair_order(at: str) -> tuple[int, str]:
     label = at.split("/")[0]
     return (SYNTHETIC.index(label) if label in SYNTHETIC else len(SYNTHETIC), at)
@@ -229,6 +247,7 @@ def main() -> int:
     args.specli = find_specli()
     args.model = gemma_q4 = default_model().resolve()
     args.prompt_files = write_prompt_files(args.native_dir / "prompts", list(PROMPTS))
+    args.prompt_tokens = prompt_token_counts(gemma_q4)
     pairs = {}
     if "draft" in args.only:
         for label in SYNTHETIC:

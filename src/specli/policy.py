@@ -29,12 +29,21 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations behind a prior or a neighbour's estima
 PRIOR_SLOPE = 0.1  # T(n) = T(1) * (1 + PRIOR_SLOPE * (n - 1)) until two pass sizes are measured
 PRIOR_DRAFT_COST = 0.1  # t_draft / T(1) until a draft is measured
 DECAY = 0.97  # weight of older observations per new one: recent text counts most
-COST_EMA = 0.2  # weight of the newest timing in a pass-size's running mean
+COST_EMA = 0.2  # weight of the newest timing in a pass-size's running mean (when slower)
+COST_EMA_DOWN = 0.5  # ... when faster than the mean
 PROBE_LENGTH = 2
 PROBE_EVERY_MIN = 8  # plain steps before the first re-probe
 PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this
 PROBE_FADE = 0.1  # evidence kept when a probe starts
 LOOKAHEAD = 8  # drafts after the current one that `keep` weighs
+
+
+def running_time(mean: float | None, seconds: float) -> float:
+    """A running mean of a duration. Interference (other processes, the first pass of a new
+    shape) only ever slows a pass down: faster timings are followed quickly, slower ones slowly."""
+    if mean is None:
+        return seconds
+    return mean + (COST_EMA_DOWN if seconds < mean else COST_EMA) * (seconds - mean)
 
 
 def expected_tokens(accept: Sequence[float]) -> list[float]:
@@ -47,13 +56,15 @@ def expected_tokens(accept: Sequence[float]) -> list[float]:
     return out
 
 
-def best_length(accept: Sequence[float], t_draft: float, pass_cost: Callable[[int], float]) -> int:
+def best_length(accept: Sequence[float], t_draft: float, pass_cost: Callable[[int], float],
+                plain_cost: float | None = None) -> int:  # fmt: skip
     """The k in 0 .. len(accept) with the highest E(k) / (k t_draft + T(k+1)).
 
-    `accept[i]` is a_i; `pass_cost(n)` is T(n). Ties go to the shorter draft (less work).
+    `accept[i]` is a_i; `pass_cost(n)` is T(n); `plain_cost` is what a pass costs in plain
+    decoding (default T(1)). Ties go to the shorter draft (less work).
     """
     expected = expected_tokens(accept)
-    best_k, best_rate = 0, expected[0] / pass_cost(1)
+    best_k, best_rate = 0, expected[0] / (plain_cost if plain_cost is not None else pass_cost(1))
     for k in range(1, len(accept) + 1):
         rate = expected[k] / (k * t_draft + pass_cost(k + 1))
         if rate > best_rate * (1 + 1e-12):
@@ -74,10 +85,7 @@ class PassCost:
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         assert n_tokens >= 1 and seconds >= 0
-        if n_tokens in self._mean:
-            self._mean[n_tokens] += COST_EMA * (seconds - self._mean[n_tokens])
-        else:
-            self._mean[n_tokens] = seconds
+        self._mean[n_tokens] = running_time(self._mean.get(n_tokens), seconds)
         self._count[n_tokens] = self._count.get(n_tokens, 0) + 1
 
     @property
@@ -289,6 +297,11 @@ class AdaptivePolicy(DraftJudge):
         self._costs: list[float] = []
         self._rates: list[float] = []
         self._t_draft_now = 0.0
+        # A plain pass right after drafting is slower than one in a run of plain passes (a
+        # draft model's forward pass evicts the target's weights from the CPU caches), so the
+        # cost of plain decoding is measured on its own: a plain pass after a plain pass.
+        self.plain_s: float | None = None
+        self._previous_plain = False
 
     def source(self, name: str) -> SourceState:
         if name not in self._sources:
@@ -303,6 +316,8 @@ class AdaptivePolicy(DraftJudge):
     def limit(self, source: str, n_max: int) -> int:
         state = self.source(source)
         self._expected, self._all_accepted, self._probing = 1.0, 1.0, False
+        if self.plain_s is None:
+            return 0  # the first two steps of a policy's life measure plain decoding
         if 0 < state.plain_streak < state.probe_every - 1:
             # Drafting did not pay at the last decision, and acceptance estimates only change
             # when something is drafted: stay plain, at no cost, until the next probe is due.
@@ -317,9 +332,9 @@ class AdaptivePolicy(DraftJudge):
             gated = gated_rate(state.calibration, self._rates[1:], self._t_draft_now, self._costs)
         if gated is not None:
             # A draft model: whether to look at its first token at all; `keep` gates the rest.
-            k = n_max if gated > 1 / self._costs[1] else 0
+            k = n_max if gated > 1 / self.plain_s else 0
         else:
-            k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__)
+            k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__, self.plain_s)
         if k > 0:
             state.plain_streak, state.probe_every = 0, PROBE_EVERY_MIN
             return k
@@ -374,6 +389,10 @@ class AdaptivePolicy(DraftJudge):
                 draft_s: float, pass_tokens: int, pass_s: float) -> None:  # fmt: skip
         """One step's facts: what was drafted and accepted, and what drafting and the pass cost."""
         self.pass_cost.observe(pass_tokens, pass_s)
+        plain = n_drafted == 0 and pass_tokens == 1
+        if plain and self._previous_plain:
+            self.plain_s = running_time(self.plain_s, pass_s)
+        self._previous_plain = plain
         if source is None or n_drafted == 0:
             return
         state = self.source(source)
