@@ -14,6 +14,7 @@ Drafters never see logits of the target and cannot change the output: only its s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -36,6 +37,9 @@ class Proposal:
     q_rows: list[np.ndarray] | None = None
     source: str | None = None  # the drafter that made it ("lookup", "draft-model")
     confidences: list[float] | None = None  # the draft model's probability of each token
+    # Mean seconds of the draft model's one-token passes in this proposal: its cost per
+    # drafted token, without the catch-up of a cache that fell behind during plain steps.
+    token_s: float | None = None
 
 
 def _empty(source: str | None = None) -> Proposal:
@@ -83,6 +87,7 @@ class DraftModelDrafter:
         tokens: list[int] = []
         q_rows: list[np.ndarray] | None = None if self.sampling.greedy else []
         confidences: list[float] | None = [] if judge.wants_confidence else None
+        one_token_s: list[float] = []
         while True:
             history = penalty_history(self.sampling, context, tokens)
             if q_rows is None:
@@ -101,8 +106,11 @@ class DraftModelDrafter:
             # The last draft token is not evaluated: only the target's verdict says if it stays.
             if len(tokens) == n_max or self.model_dft.is_eog(token):
                 break
+            t0 = time.perf_counter()
             logits = self.model_dft.eval([token], logits="last")
-        return Proposal(tokens, q_rows, self.name, confidences)
+            one_token_s.append(time.perf_counter() - t0)
+        token_s = sum(one_token_s) / len(one_token_s) if one_token_s else None
+        return Proposal(tokens, q_rows, self.name, confidences, token_s)
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
         # Drop the rejected drafts now, so the cache holds only accepted text between steps

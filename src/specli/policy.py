@@ -25,14 +25,14 @@ from typing import Callable, Sequence
 # Before anything is measured: an optimistic acceptance (so the first steps draft and learn),
 # a target pass cost growing by 10% per extra token, and a draft token at 10% of a pass.
 PRIOR_ACCEPT = 0.7
-PRIOR_WEIGHT = 2.0  # pseudo-observations behind a prior or a neighbour's estimate
+PRIOR_WEIGHT = 3.0  # pseudo-observations behind a prior or a neighbour's estimate
 PRIOR_SLOPE = 0.1  # T(n) = T(1) * (1 + PRIOR_SLOPE * (n - 1)) until two pass sizes are measured
 PRIOR_DRAFT_COST = 0.1  # t_draft / T(1) until a draft is measured
 DECAY = 0.97  # weight of older observations per new one: recent text counts most
 COST_EMA = 0.2  # weight of the newest timing in a pass-size's running mean (when slower)
 COST_EMA_DOWN = 0.5  # ... when faster than the mean
 PROBE_LENGTH = 2
-PROBE_EVERY_MIN = 8  # plain steps before the first re-probe
+PROBE_EVERY_MIN = 4  # plain steps before the first re-probe
 PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this
 PROBE_FADE = 0.1  # evidence kept when a probe starts
 LOOKAHEAD = 8  # drafts after the current one that `keep` weighs
@@ -386,8 +386,9 @@ class AdaptivePolicy(DraftJudge):
         return True
 
     def observe(self, source: str | None, n_drafted: int, n_accepted: int, confidences: Sequence[float] | None,
-                draft_s: float, pass_tokens: int, pass_s: float) -> None:  # fmt: skip
-        """One step's facts: what was drafted and accepted, and what drafting and the pass cost."""
+                draft_s: float, pass_tokens: int, pass_s: float, token_s: float | None = None) -> None:  # fmt: skip
+        """One step's facts: what was drafted and accepted, what drafting cost (draft_s in all,
+        token_s per one-token draft pass when the drafter timed them) and what the pass cost."""
         self.pass_cost.observe(pass_tokens, pass_s)
         plain = n_drafted == 0 and pass_tokens == 1
         if plain and self._previous_plain:
@@ -399,5 +400,7 @@ class AdaptivePolicy(DraftJudge):
         state.acceptance.observe(n_drafted, n_accepted)
         if confidences:
             state.calibration.observe(confidences, n_accepted)
-        per_token = draft_s / n_drafted
-        state.t_draft = per_token if state.t_draft is None else state.t_draft + COST_EMA * (per_token - state.t_draft)
+        if confidences is not None and token_s is None and state.t_draft is not None:
+            return  # a draft model's proposal without a one-token pass: its time was catching up
+        per_token = token_s if token_s is not None else draft_s / n_drafted
+        state.t_draft = running_time(state.t_draft, per_token)
