@@ -145,6 +145,31 @@ def test_caches_hold_exactly_the_context_after_every_step(perturbed):
     assert sum(evaluated) <= len(ids) + gen.stats.target_passes * (4 - 1 + 2)
 
 
+def test_a_draft_cache_far_behind_starts_over_on_a_window(perturbed):
+    model_tgt, model_dft = perturbed
+    drafter = DraftModelDrafter(model_dft)
+    prompt = model_tgt.tokenize(PROMPTS[0])
+    drafter.begin(prompt)
+    # 100 tokens of plain decoding later (the draft model saw none of them):
+    context = prompt + [(7 * i) % 500 + 10 for i in range(100)]
+    evaluated = []
+    original_eval = model_dft.eval
+    model_dft.eval = lambda tokens, **kw: evaluated.append(len(tokens)) or original_eval(tokens, **kw)
+    try:
+        proposal = drafter.propose(context, 3)
+    finally:
+        del model_dft.eval
+    window = [context[0], *context[-DraftModelDrafter.CATCH_UP_LIMIT :]]
+    assert len(proposal.tokens) == 3
+    assert model_dft.cached[: len(window)] == window  # BOS and the last 64 tokens, not all 100 missed
+    assert evaluated[0] <= len(window)  # (BOS may still be cached) not the 100 tokens missed
+    # Later proposals extend the same window incrementally.
+    drafter.update(3, 1)
+    context = context + proposal.tokens[:1] + [11]
+    drafter.propose(context, 2)
+    assert model_dft.cached[: len(window) + 2] == [*window, proposal.tokens[0], 11]
+
+
 def test_context_full_stops_cleanly(pair_perturbed):
     model_tgt, model_dft = load(pair_perturbed[0], n_ctx=64), load(pair_perturbed[1], n_ctx=64)
     try:

@@ -63,27 +63,45 @@ class DraftModelDrafter:
     accepted text (`update` drops rejected drafts), and `propose` reuses that prefix, evaluating
     only the tokens it has not seen (the target's own token, plus the last draft after a full
     accept) — never the whole history.
+
+    After a stretch of plain decoding (`-n auto` not drafting), catching up on every token
+    missed would cost a batch pass over all of them, as much as the plain steps saved when the
+    draft model is expensive. So a cache more than CATCH_UP_LIMIT tokens behind starts over on
+    a window: the context's first token (BOS) and its last CATCH_UP_LIMIT tokens. A draft
+    only has to guess well; the target's verification keeps the output exact.
     """
 
     name = "draft-model"
+    CATCH_UP_LIMIT = 64
 
     def __init__(self, model_dft: LlamaModel):
         self.model_dft = model_dft
-        self._context_len = 0  # length of the context the latest proposal continued
+        self._context_len = 0  # length of the view the latest proposal continued
+        self._offset = 0  # the draft model sees context[:1] + context[offset:] (0: all of it)
         self.sampling = GREEDY
         self.rng = np.random.default_rng(0)
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
         self.sampling = sampling
         self.rng = rng if rng is not None else np.random.default_rng(0)
+        self._offset = 0
         self.model_dft.sync(prompt)
+
+    def _view(self, context: Sequence[int]) -> Sequence[int]:
+        """The part of the context the draft model conditions on (see the class docstring)."""
+        view = context if self._offset == 0 else [*context[:1], *context[self._offset :]]
+        if len(view) - len(self.model_dft.cached) > self.CATCH_UP_LIMIT and len(context) > self.CATCH_UP_LIMIT + 1:
+            self._offset = len(context) - self.CATCH_UP_LIMIT
+            view = [*context[:1], *context[self._offset :]]
+        return view
 
     def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
         n_max = judge.limit(self.name, n_max) if n_max > 0 else 0
         if n_max <= 0:
             return _empty(self.name)
-        logits = self.model_dft.sync(context)
-        self._context_len = len(context)
+        view = self._view(context)
+        logits = self.model_dft.sync(view)
+        self._context_len = len(view)
         tokens: list[int] = []
         q_rows: list[np.ndarray] | None = None if self.sampling.greedy else []
         confidences: list[float] | None = [] if judge.wants_confidence else None

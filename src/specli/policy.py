@@ -9,9 +9,15 @@ The model, in plain words:
   (calibrated against what the target actually accepted).
 - a pass with k drafts yields E(k) = 1 + a_0 + a_0 a_1 + ... + a_0...a_{k-1} tokens on average
   (the accepted drafts plus the target's own token) and costs C(k) = k t_draft + T(k+1).
-- the policy picks k to maximise E(k) / C(k), tokens per second. k = 0 is plain decoding: when
-  drafting does not pay, the loop falls back to it and re-probes now and then with a short
-  draft, so that a change in the text (a code block starting) is noticed.
+- the policy picks k to maximise E(k) / C(k), tokens per second. k = 0 is plain decoding, whose
+  cost is measured on its own (a plain pass after a plain pass: right after a draft model's
+  pass the target runs slower, its weights evicted from the CPU caches), so a policy's first two
+  steps are plain. When drafting does not pay, the loop falls back to plain decoding and
+  re-probes now and then with a short draft, so that a change in the text (a code block
+  starting) is noticed.
+- a draft model's tokens come with its confidence: whether to look at the first draft token at
+  all is judged over the recent mix of confidences (`gated_rate`), and each token is kept only
+  while the pass it widens is expected to pay (`AdaptivePolicy.keep`).
 
 Everything here is pure bookkeeping and arithmetic on numbers handed in by the engine: no
 timing is taken here, so the policy is tested on simulated costs and acceptances.
