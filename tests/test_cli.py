@@ -73,6 +73,15 @@ def test_target_only_and_lookup_agree_and_label_the_draft(pair_perturbed):
     assert base["sampling"]["greedy"] is True and base["seed"] is None
 
 
+def test_a_seed_with_auto_draft_lengths_says_how_to_replay_exactly(pair_perturbed):
+    target, draft = map(str, pair_perturbed)
+    args = ("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "8", "--temperature", "0.9", "--seed", "4")
+    auto = specli(*args)
+    assert auto.returncode == 0 and "add a fixed -n" in auto.stderr
+    fixed = specli(*args, "-n", "4")
+    assert fixed.returncode == 0 and "add a fixed -n" not in fixed.stderr
+
+
 def test_sampling_is_reproducible_from_the_reported_seed(pair_perturbed):
     target, draft = map(str, pair_perturbed)
     args = ("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30", "--json", "--temperature", "1.5", "-n", "4")

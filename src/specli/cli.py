@@ -173,6 +173,10 @@ def run(
             )  # fmt: skip
             if warning:
                 print(warning, file=sys.stderr)
+            if seed is not None and not the_plan.sampling.greedy and loaded.decoder.adaptive:
+                print("note: with -n auto the draft lengths follow timings and the random draws follow them: "
+                      "this seed replays the distribution, not this text; add a fixed -n (e.g. -n 5) to replay "
+                      "a sampled run exactly", file=sys.stderr)  # fmt: skip
         return EXIT_INTERRUPTED if interrupted else 0
     finally:
         loaded.close()
