@@ -15,7 +15,7 @@ import pytest
 from conftest import FIXTURE_CTX
 from specli import batch
 from specli.batch_engine import DecoderPool, ItemDone, ParallelRunner, run_sequential
-from specli.drafters import PromptLookupDrafter
+from specli.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
 from specli.llama import LlamaModel
 from specli.sampling import GREEDY, SamplingParams
 from test_cli import assert_one_line_error, specli
@@ -138,6 +138,17 @@ def test_item_sampling_fields_override_the_command_line(tmp_path, pair_perturbed
     assert cli["token_ids"] == expected_cli["token_ids"] and cli["seed"] == 3
 
 
+def test_parallel_with_a_draft_model_through_the_command(tmp_path, pair_perturbed):
+    target, draft = map(str, pair_perturbed)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(PROMPTS)])
+    result = specli("batch", str(src), "-m", target, "-d", draft, "--parallel", "2", "--max-tokens", "12", "--temperature", "0", "-q", *ONE)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["id"] for r in records] == list(range(len(PROMPTS)))
+    assert all(r["n_tokens"] == 12 or r["stop_reason"] == "eos" for r in records)
+    assert sum(r["stats"]["drafted"] for r in records) > 0 and records[0]["draft"] == draft
+
+
 # --- usage errors: one line, exit 2, nothing generated ----------------------------------------
 def test_usage_errors(tmp_path, pair_perturbed):
     target, draft = map(str, pair_perturbed)
@@ -146,7 +157,6 @@ def test_usage_errors(tmp_path, pair_perturbed):
     assert_one_line_error(specli("batch", str(src), "-m", target, "--resume"), 2, "--resume needs an output file")
     assert_one_line_error(specli("batch", str(src), "-o", str(tmp_path / "o.jsonl"), "--resume", "--overwrite", "-m", target), 2, "pick one")
     assert_one_line_error(specli("batch", str(src), "-m", target, "--parallel", "0"), 2, "--parallel")
-    assert_one_line_error(specli("batch", str(src), "-m", target, "-d", draft, "--parallel", "2"), 2, "--parallel above 1", "--lookup")
     assert_one_line_error(specli("batch", str(src), "-o", str(src), "-m", target), 2, "the output file is the input file")
     notes = tmp_path / "notes.txt"
     notes.write_text("my precious notes\nsecond line\n")
@@ -320,6 +330,32 @@ def test_parallel_equals_sequential_token_for_token(pair_perturbed, drafting, sa
             finally:
                 runner.close()
     finally:
+        model.close()
+
+
+@pytest.mark.parametrize("n_draft", [4, "auto"])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["draft-model", "hybrid"])
+def test_parallel_with_a_draft_model_equals_sequential(pair_perturbed, n_draft, hybrid):
+    """One draft cache per sequence (a second multi-sequence context on the draft's weights)."""
+    model, model_dft = load(pair_perturbed[0], n_ctx=256), load(pair_perturbed[1], n_ctx=256)
+    try:
+        items = engine_items(PROMPTS)
+        drafter = DraftModelDrafter(model_dft)
+        if hybrid:
+            drafter = HybridDrafter(PromptLookupDrafter(), drafter)
+        reference = generate(run_sequential(DecoderPool(model, drafter, n_draft), items))
+        runner = ParallelRunner(model, None, n_draft, 2, n_threads=1, kv_type="f32", flash_attn="off",
+                                model_dft=model_dft, hybrid=hybrid)  # fmt: skip
+        drafted = 0
+        try:
+            events = list(runner.run(items))
+        finally:
+            runner.close()
+        drafted = sum(e.generation.stats.drafted for e in events if isinstance(e, ItemDone) and e.error is None)
+        assert generate(events) == reference
+        assert drafted > 0
+    finally:
+        model_dft.close()
         model.close()
 
 

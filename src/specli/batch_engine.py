@@ -23,10 +23,10 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from .batch import Item, prompt_too_long
-from .drafters import Drafter, Proposal
+from .drafters import DraftModelDrafter, Drafter, HybridDrafter, PromptLookupDrafter, Proposal
 from .engine import AUTO, AUTO_MAX_DRAFT, STOP_CONTEXT_FULL, STOP_MAX_TOKENS, Generation, SpeculativeDecoder, Step
 from .errors import SpecliError
-from .llama import LlamaModel, MultiSequenceContext
+from .llama import LlamaModel, MultiSequenceContext, SequenceView
 from .sampling import make_rng
 
 
@@ -91,20 +91,36 @@ class _Slot:
 class ParallelRunner:
     """`n_seq` sequences in lockstep on one target (see the module docstring).
 
-    make_drafter() gives each slot its own drafter (prompt lookup) or None (target-only): a
-    draft model would need one draft cache per sequence, which this runner does not have.
+    make_drafter() gives each slot its own drafter (prompt lookup) or None (target-only). With
+    `model_dft`, each slot drafts with the draft model instead (with prompt lookup first when
+    `hybrid`), through its own sequence of a second multi-sequence context on the draft
+    model's weights: one draft cache per sequence. (Each slot's draft passes run on their own;
+    only the target's passes are shared.)
     With `-n auto` each slot's policy sizes its drafts; a shared pass is charged to each
     sequence in proportion to the tokens it put into it (an approximation: one sequence's
     extra drafts widen a pass that the others share).
     """
 
     def __init__(
-        self, model_tgt: LlamaModel, make_drafter: Callable[[], Drafter | None], n_draft: int | str, n_seq: int,
+        self, model_tgt: LlamaModel, make_drafter: Callable[[], Drafter | None] | None, n_draft: int | str, n_seq: int,
         *, n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
+        model_dft: LlamaModel | None = None, hybrid: bool = False,
     ):  # fmt: skip
         self.model_tgt = model_tgt
         self.n_ctx = model_tgt.n_ctx  # per sequence, as for `run`
-        self.drafters = [make_drafter() for _ in range(n_seq)]
+        self.draft_seqs = None
+        if model_dft is not None:
+            self.draft_seqs = MultiSequenceContext(
+                model_dft, n_seq=n_seq, n_ctx_per_seq=self.n_ctx, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
+            )  # fmt: skip
+            views = [SequenceView(self.draft_seqs, s, model_dft) for s in range(n_seq)]
+            self.drafters: list[Drafter | None] = [
+                HybridDrafter(PromptLookupDrafter(), DraftModelDrafter(view)) if hybrid else DraftModelDrafter(view)
+                for view in views
+            ]
+        else:
+            assert make_drafter is not None
+            self.drafters = [make_drafter() for _ in range(n_seq)]
         self.pools = [DecoderPool(model_tgt, drafter, n_draft) for drafter in self.drafters]
         longest = AUTO_MAX_DRAFT if n_draft == AUTO else n_draft
         n_batch = max(512, n_seq * ((longest if self.drafters[0] is not None else 0) + 1))
@@ -115,6 +131,8 @@ class ParallelRunner:
 
     def close(self) -> None:
         self.seqs.close()
+        if self.draft_seqs is not None:
+            self.draft_seqs.close()
 
     def run(self, items: Iterable[Item]) -> Iterator[Step | ItemDone]:
         queue = iter(items)

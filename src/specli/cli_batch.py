@@ -80,8 +80,6 @@ def batch_command(
 
     init_backend(verbose=verbose)
     the_plan = plan(choice)
-    if parallel > 1 and the_plan.mode in ("draft-model", "hybrid"):
-        raise UsageError("--parallel above 1 works with --lookup or --target-only (a draft model keeps one cache per sequence); use --parallel 1 with -d")
     if previous is not None and not quiet:
         print(_resume_notice(out_path, previous, entries), file=sys.stderr)
     loaded = _load(the_plan, choice, quiet=quiet)
@@ -163,7 +161,10 @@ def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, qui
     runner = None
     if parallel > 1:
         make_drafter = PromptLookupDrafter if the_plan.mode == "lookup" else (lambda: None)
-        runner = ParallelRunner(loaded.model_tgt, make_drafter, loaded.decoder.n_draft_label, parallel, n_threads=choice.threads)
+        runner = ParallelRunner(
+            loaded.model_tgt, make_drafter, loaded.decoder.n_draft_label, parallel, n_threads=choice.threads,
+            model_dft=loaded.model_dft, hybrid=the_plan.mode == "hybrid",
+        )  # fmt: skip
         events = runner.run(_items_writing_errors(todo, writer, summary))
     else:
         pool = DecoderPool(loaded.model_tgt, loaded.decoder.drafter, loaded.decoder.n_draft_label)

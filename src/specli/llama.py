@@ -455,6 +455,42 @@ class MultiSequenceContext:
             self._ctx = None
 
 
+class SequenceView:
+    """One sequence of a MultiSequenceContext behind LlamaModel's cache API (`cached`, `sync`,
+    `eval`, `truncate`, `is_eog`), so that a drafter written for a LlamaModel drafts for that
+    sequence (`specli batch --parallel` with a draft model: one draft cache per sequence)."""
+
+    def __init__(self, seqs: MultiSequenceContext, seq: int, model: LlamaModel):
+        self._seqs, self._seq, self._model = seqs, seq, model
+        self.n_ctx = seqs.n_ctx_per_seq
+
+    @property
+    def cached(self) -> list[int]:
+        return self._seqs.cached[self._seq]
+
+    def is_eog(self, token: int) -> bool:
+        return self._model.is_eog(token)
+
+    def eval(self, tokens: Sequence[int], *, logits: Literal["last", "none"] = "last") -> np.ndarray:
+        """Append `tokens`; the logits of the last one (one row), or none."""
+        if logits == "none" or not tokens:
+            self._seqs.eval({self._seq: tokens}, logits="none")
+            return np.empty((0, self._seqs.n_vocab), dtype=np.float32)
+        if len(tokens) > 1:
+            self._seqs.eval({self._seq: tokens[:-1]}, logits="none")
+        return self._seqs.eval({self._seq: tokens[-1:]}, logits="all")[self._seq]
+
+    def truncate(self, n_keep: int) -> None:
+        self._seqs.truncate(self._seq, n_keep)
+
+    def sync(self, context: Sequence[int]) -> np.ndarray:
+        """As LlamaModel.sync: keep the common prefix, evaluate the rest, return the last logits."""
+        assert context, "sync needs at least one token"
+        common = min(common_prefix_len(self.cached, context), len(context) - 1)
+        self.truncate(common)
+        return self.eval(context[common:], logits="last")
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
