@@ -368,10 +368,9 @@ class Summary:
         if self.tokens_per_s:
             parts.append(f"{self.tokens_per_s:.1f} tok/s, {self.items_per_s:.2f} items/s")
         if with_drafting:
-            rate = st.acceptance_rate
-            parts.append(f"accepted {rate:.0%} ({st.accepted}/{st.drafted})" if rate is not None else "nothing drafted")
+            parts.extend(st.drafting_summary())
             if st.mean_tokens_per_pass:
-                parts.append(f"{st.mean_tokens_per_pass:.2f} tokens/pass (speedup estimate, an upper bound)")
+                parts[-1] += " (the speedup's upper bound)"
         if self.interrupted:
             parts.append("interrupted: run again to finish")
         return "batch: " + " · ".join(parts)

@@ -83,6 +83,14 @@ class Stats:
             totals[0] += n_drafted
             totals[1] += n_accepted
 
+    def drafting_summary(self) -> list[str]:
+        """The drafting part of a one-line summary: acceptance, then drafts and tokens per pass."""
+        rate = self.acceptance_rate
+        parts = [f"accepted {rate:.0%} ({self.accepted}/{self.drafted})" if rate is not None else "nothing drafted"]
+        if self.mean_tokens_per_pass:
+            parts.append(f"{self.mean_draft_length:.1f} drafted, {self.mean_tokens_per_pass:.2f} tokens per pass")
+        return parts
+
     def add(self, other: "Stats") -> None:
         """Add another run's counts and times to these (session totals)."""
         for name in ("n_tokens", "drafted", "accepted", "target_passes", "prompt_tokens", "prompt_reused",

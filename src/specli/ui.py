@@ -159,10 +159,7 @@ def summary_line(stats: Stats, *, stop_reason: str | None, with_drafting: bool) 
     if stats.tokens_per_s:
         parts.append(f"{stats.tokens_per_s:.1f} tok/s")
     if with_drafting:
-        rate = stats.acceptance_rate
-        parts.append(f"accepted {rate:.0%} ({stats.accepted}/{stats.drafted})" if rate is not None else "nothing drafted")
-        if stats.mean_tokens_per_pass:
-            parts.append(f"{stats.mean_draft_length:.1f} drafted, {stats.mean_tokens_per_pass:.2f} tokens per pass")
+        parts.extend(stats.drafting_summary())
         parts.append(f"draft {stats.draft_s:.2f}s, verify {stats.verify_s:.2f}s")
     parts.append(f"prompt {stats.prompt_tokens} tokens in {stats.prompt_s:.2f}s")
     parts.append(f"stop: {stop_reason}")
