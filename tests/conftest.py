@@ -12,6 +12,13 @@ from specli.llama import LlamaModel, init_backend
 FIXTURE_CTX = 512
 
 
+@pytest.fixture(autouse=True)
+def _own_policy_cache(tmp_path, monkeypatch):
+    """Each test (and the specli processes it starts) keeps -n auto's measurements in its own
+    folder: nothing written to the user's cache, nothing learnt by one test steering another."""
+    monkeypatch.setenv("SPECLI_CACHE_DIR", str(tmp_path / "specli-cache"))
+
+
 @pytest.fixture(scope="session")
 def fixture_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("gguf")

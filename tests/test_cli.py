@@ -82,6 +82,24 @@ def test_a_seed_with_auto_draft_lengths_says_how_to_replay_exactly(pair_perturbe
     assert fixed.returncode == 0 and "add a fixed -n" not in fixed.stderr
 
 
+def test_auto_keeps_its_measurements_for_the_next_run(tmp_path, pair_perturbed):
+    target, draft = map(str, pair_perturbed)
+    cache = tmp_path / "cache"
+    args = ("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "16", "--temperature", "0", "--json")
+    first = specli(*args, env={"SPECLI_CACHE_DIR": str(cache)})
+    assert first.returncode == 0, first.stderr
+    (state_file,) = cache.glob("policy-*.json")
+    state = json.loads(state_file.read_text())
+    assert state["version"] == 1 and state["pass_mean"] and state["plain_s"] > 0
+    state_file.write_text("{ not json")  # a damaged cache is not an error: the run starts afresh
+    again = specli(*args, env={"SPECLI_CACHE_DIR": str(cache)})
+    assert again.returncode == 0 and again.stderr.count("\n") == 1, again.stderr
+    assert json.loads(again.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
+    assert json.loads(state_file.read_text())["version"] == 1  # rewritten whole
+    fixed = specli(*args, "-n", "4", env={"SPECLI_CACHE_DIR": str(tmp_path / "other")})
+    assert fixed.returncode == 0 and not (tmp_path / "other").exists()  # a fixed -n measures nothing
+
+
 def test_sampling_is_reproducible_from_the_reported_seed(pair_perturbed):
     target, draft = map(str, pair_perturbed)
     args = ("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30", "--json", "--temperature", "1.5", "-n", "4")

@@ -177,3 +177,20 @@ def test_confidence_stops_a_draft_where_the_draft_model_is_unsure():
     assert policy.keep("sim", 0, 0.2) is False
     # Drafts end at unsure tokens: the runs of sure ones are 4 long on average.
     assert 2 < np.mean(lengths[500:]) < 8
+
+
+def test_what_a_policy_learnt_survives_a_round_trip_through_json():
+    import json
+
+    trained = AdaptivePolicy(32)
+    pick = lambda rng: 0.97 if rng.random() < 0.8 else 0.2  # noqa: E731
+    simulate(trained, None, 300, t_draft=0.1, confidence=pick, cost=lambda n: cpu_cost(n) / cpu_cost(1))
+    fresh = AdaptivePolicy(32)
+    fresh.restore(json.loads(json.dumps(trained.state())))
+    assert fresh.plain_s == trained.plain_s and fresh.plain_s is not None
+    assert fresh.pass_cost.table(33) == trained.pass_cost.table(33)
+    assert fresh.source("sim").acceptance.rates(8) == trained.source("sim").acceptance.rates(8)
+    assert fresh.source("sim").t_draft == trained.source("sim").t_draft
+    assert fresh.limit("sim", 32) == trained.limit("sim", 32)  # no warm-up steps: it starts where it was
+    with pytest.raises(ValueError):
+        AdaptivePolicy(32).restore({**trained.state(), "version": 0})

@@ -5,9 +5,13 @@ Shared by every command that generates (run today; chat, batch and bench later).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import __version__
 from .compat import check_compatible
 from .drafters import DraftModelDrafter, Drafter, HybridDrafter, PromptLookupDrafter
 from .engine import AUTO, MAX_DRAFT, SpeculativeDecoder
@@ -63,11 +67,47 @@ class Loaded:
     model_tgt: LlamaModel
     model_dft: LlamaModel | None
     decoder: SpeculativeDecoder
+    policy_path: Path | None = None  # where `-n auto`'s measurements are kept between runs
 
     def close(self) -> None:
+        policy = getattr(self.decoder, "_policy", None)
+        if policy is not None and self.policy_path is not None:
+            save_policy_state(self.policy_path, policy.state())
         for model in (self.model_dft, self.model_tgt):
             if model is not None:
                 model.close()
+
+
+def policy_state_path(p: Plan, choice: ModelChoice) -> Path:
+    """Where `-n auto` keeps what it measured for this pair on this machine: in
+    $SPECLI_CACHE_DIR, else $XDG_CACHE_HOME/specli, else ~/.cache/specli; one file per target,
+    drafter and thread/offload setting (its costs depend on all of them)."""
+    root = os.environ.get("SPECLI_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specli"
+    files = [p.target_path, *([p.draft_path] if p.draft_path else [])]
+    facts = [[str(f.resolve()), f.stat().st_size] for f in files]
+    key = json.dumps([__version__, p.mode, facts, choice.threads, choice.ngl, choice.draft_ngl])
+    return Path(root) / f"policy-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+def load_policy_state(path: Path) -> dict | None:
+    """An earlier run's measurements, or None (missing or unreadable files are not an error:
+    the policy then starts from its priors)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def save_policy_state(path: Path, state: dict) -> None:
+    """Write atomically (concurrent runs never see half a file); a cache that cannot be written
+    only costs the next run its head start."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(state), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def plan(choice: ModelChoice) -> Plan:
@@ -132,9 +172,18 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
         elif p.mode == LOOKUP:
             drafter = PromptLookupDrafter()
         decoder = SpeculativeDecoder(model_tgt, drafter, p.n_draft, p.sampling)
+        policy_path = None
+        if decoder.adaptive:
+            policy_path = policy_state_path(p, choice)
+            state = load_policy_state(policy_path)
+            if state is not None:
+                try:
+                    decoder.judge.restore(state)
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    pass  # another version or a damaged file: start from the priors
     except BaseException:
         if model_dft is not None:
             model_dft.close()
         model_tgt.close()
         raise
-    return Loaded(p, model_tgt, model_dft, decoder)
+    return Loaded(p, model_tgt, model_dft, decoder, policy_path)

@@ -309,6 +309,47 @@ class AdaptivePolicy(DraftJudge):
         self.plain_s: float | None = None
         self._previous_plain = False
 
+    STATE_VERSION = 1
+
+    def state(self) -> dict:
+        """What the policy has learnt, as JSON-ready data (costs, acceptance, calibration)."""
+        return {
+            "version": self.STATE_VERSION,
+            "pass_mean": {str(n): t for n, t in self.pass_cost._mean.items()},
+            "pass_count": {str(n): c for n, c in self.pass_cost._count.items()},
+            "plain_s": self.plain_s,
+            "sources": {
+                name: {
+                    "judged": st.acceptance.judged, "accepted": st.acceptance.accepted, "t_draft": st.t_draft,
+                    "cal_judged": st.calibration.judged, "cal_accepted": st.calibration.accepted,
+                    "first_seen": st.calibration.first_seen,
+                }  # fmt: skip
+                for name, st in self._sources.items()
+            },
+        }
+
+    def restore(self, state: dict) -> None:
+        """Start from what an earlier run learnt (`state()`); raises ValueError/KeyError/TypeError
+        on data of another shape, leaving the policy as it was."""
+        if state.get("version") != self.STATE_VERSION:
+            raise ValueError("another version")
+        mean = {int(n): float(t) for n, t in state["pass_mean"].items()}
+        count = {int(n): int(c) for n, c in state["pass_count"].items()}
+        sources = {}
+        for name, data in state["sources"].items():
+            st = SourceState(PositionalAcceptance(self.max_draft))
+            for target, key in ((st.acceptance.judged, "judged"), (st.acceptance.accepted, "accepted"),
+                                (st.calibration.judged, "cal_judged"), (st.calibration.accepted, "cal_accepted"),
+                                (st.calibration.first_seen, "first_seen")):  # fmt: skip
+                values = [float(v) for v in data[key]][: len(target)]
+                target[: len(values)] = values
+            st.t_draft = None if data["t_draft"] is None else float(data["t_draft"])
+            sources[str(name)] = st
+        plain_s = state["plain_s"]
+        self.pass_cost._mean, self.pass_cost._count = mean, count
+        self.plain_s = None if plain_s is None else float(plain_s)
+        self._sources = sources
+
     def source(self, name: str) -> SourceState:
         if name not in self._sources:
             self._sources[name] = SourceState(PositionalAcceptance(self.max_draft))
