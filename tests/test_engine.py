@@ -161,7 +161,7 @@ def test_a_draft_cache_far_behind_starts_over_on_a_window(perturbed):
         del model_dft.eval
     window = [context[0], *context[-DraftModelDrafter.CATCH_UP_LIMIT :]]
     assert len(proposal.tokens) == 3
-    assert model_dft.cached[: len(window)] == window  # BOS and the last 64 tokens, not all 100 missed
+    assert model_dft.cached[: len(window)] == window  # BOS and the last 16 tokens, not all 100 missed
     assert evaluated[0] <= len(window)  # (BOS may still be cached) not the 100 tokens missed
     # Later proposals extend the same window incrementally.
     drafter.update(3, 1)

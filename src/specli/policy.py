@@ -321,6 +321,7 @@ class AdaptivePolicy(DraftJudge):
             "sources": {
                 name: {
                     "judged": st.acceptance.judged, "accepted": st.acceptance.accepted, "t_draft": st.t_draft,
+                    "probe_every": st.probe_every,
                     "cal_judged": st.calibration.judged, "cal_accepted": st.calibration.accepted,
                     "first_seen": st.calibration.first_seen,
                 }  # fmt: skip
@@ -344,6 +345,8 @@ class AdaptivePolicy(DraftJudge):
                 values = [float(v) for v in data[key]][: len(target)]
                 target[: len(values)] = values
             st.t_draft = None if data["t_draft"] is None else float(data["t_draft"])
+            # A source that was not paying keeps its long probe interval (a probe has a cost).
+            st.probe_every = min(max(int(data.get("probe_every", PROBE_EVERY_MIN)), PROBE_EVERY_MIN), PROBE_EVERY_MAX)
             sources[str(name)] = st
         plain_s = state["plain_s"]
         self.pass_cost._mean, self.pass_cost._count = mean, count
