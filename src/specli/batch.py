@@ -369,7 +369,7 @@ class Summary:
             parts.append(f"{self.tokens_per_s:.1f} tok/s, {self.items_per_s:.2f} items/s")
         if with_drafting:
             parts.extend(st.drafting_summary())
-            if st.mean_tokens_per_pass:
+            if st.drafted and st.mean_tokens_per_pass:
                 parts[-1] += " (the speedup's upper bound)"
         if self.interrupted:
             parts.append("interrupted: run again to finish")

@@ -48,7 +48,7 @@ ModelOpt = Annotated[Optional[str], typer.Option("-m", "--model", help="Target m
 DraftOpt = Annotated[Optional[str], typer.Option("-d", "--draft", help="Draft model: a GGUF path or a models.toml name (same tokenizer as the target).")]
 LookupOpt = Annotated[bool, typer.Option("--lookup", help="Draft by prompt lookup (copying from the text so far); no draft model.")]
 TargetOnlyOpt = Annotated[bool, typer.Option("--target-only", help="Plain decoding with the target alone: the baseline.")]
-NDraftOpt = Annotated[Optional[str], typer.Option("-n", "--num-speculative-tokens", help="Draft tokens per step: 'auto' (default: chosen each step from measured costs and acceptance) or a fixed number 1-64.")]
+NDraftOpt = Annotated[Optional[str], typer.Option("-n", "--num-speculative-tokens", metavar="auto|N", help="Draft tokens per step: 'auto' (default: chosen each step from measured costs and acceptance) or a fixed number 1-64.")]
 CtxOpt = Annotated[int, typer.Option("-c", "--ctx", help="Context size in tokens (prompt + output).")]
 NglOpt = Annotated[int, typer.Option("--ngl", help="Target layers to offload to the GPU (-1 = all).")]
 DraftNglOpt = Annotated[int, typer.Option("--draft-ngl", help="Draft model layers to offload to the GPU (-1 = all).")]

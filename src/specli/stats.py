@@ -87,7 +87,7 @@ class Stats:
         """The drafting part of a one-line summary: acceptance, then drafts and tokens per pass."""
         rate = self.acceptance_rate
         parts = [f"accepted {rate:.0%} ({self.accepted}/{self.drafted})" if rate is not None else "nothing drafted"]
-        if self.mean_tokens_per_pass:
+        if self.drafted and self.mean_tokens_per_pass:
             parts.append(f"{self.mean_draft_length:.1f} drafted, {self.mean_tokens_per_pass:.2f} tokens per pass")
         return parts
 
