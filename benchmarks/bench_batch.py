@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specli.batch import Item  # noqa: E402
 from specli.batch_engine import DecoderPool, ItemDone, ParallelRunner, run_sequential  # noqa: E402
-from specli.drafters import PromptLookupDrafter  # noqa: E402
+from specli.drafters import DraftModelDrafter, PromptLookupDrafter  # noqa: E402
 from specli.llama import LlamaModel, init_backend  # noqa: E402
 from specli.sampling import GREEDY  # noqa: E402
 
@@ -58,14 +58,17 @@ CONFIGS = [  # (label, drafting, parallel)
 ]
 
 
-def run_config(model: LlamaModel, drafting: str, parallel: int, items: list[Item], n_draft: int | str, threads: int | None) -> dict:
+def run_config(model: LlamaModel, drafting: str, parallel: int, items: list[Item], n_draft: int | str, threads: int | None,
+               model_dft: LlamaModel | None = None) -> dict:  # fmt: skip
     make_drafter = PromptLookupDrafter if drafting == "lookup" else (lambda: None)
+    with_draft = model_dft if drafting == "draft" else None
     runner = None
     t0 = time.perf_counter()
     if parallel == 1:
-        events = run_sequential(DecoderPool(model, make_drafter(), n_draft), items)
+        drafter = DraftModelDrafter(model_dft) if with_draft is not None else make_drafter()
+        events = run_sequential(DecoderPool(model, drafter, n_draft), items)
     else:
-        runner = ParallelRunner(model, make_drafter, n_draft, parallel, n_threads=threads)
+        runner = ParallelRunner(model, make_drafter, n_draft, parallel, n_threads=threads, model_dft=with_draft)
         t0 = time.perf_counter()  # the context for P sequences is set up before the clock
         events = runner.run(items)
     tokens = passes = drafted = accepted = done = 0
@@ -78,6 +81,8 @@ def run_config(model: LlamaModel, drafting: str, parallel: int, items: list[Item
     if runner is not None:
         runner.close()
     model.reset()
+    if model_dft is not None:
+        model_dft.reset()
     return {"items": done, "tokens": tokens, "wall_s": wall, "items_per_s": done / wall, "tokens_per_s": tokens / wall,
             "acceptance": accepted / drafted if drafted else None, "seq_passes": passes}  # fmt: skip
 
@@ -91,27 +96,33 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--draft", type=Path, help="a draft model GGUF for --model: adds draft-model rows")
     args = parser.parse_args()
+    configs = CONFIGS + ([("one by one, draft model (P=1)", "draft", 1), ("draft model P=2", "draft", 2),
+                          ("draft model P=4", "draft", 4)] if args.draft else [])  # fmt: skip
 
     init_backend()
     model = LlamaModel(args.model, n_ctx=args.ctx, n_threads=args.threads)
+    model_dft = LlamaModel(args.draft, n_ctx=args.ctx, n_threads=args.threads) if args.draft else None
     items = [Item(i + 1, i + 1, p, args.max_tokens, GREEDY) for i, p in enumerate(PROMPTS)]
     run_config(model, "lookup", 2, items[:2], args.n, args.threads)  # warm-up, untimed
     best: dict[str, dict] = {}
     for r in range(args.repeat):
-        shift = r % len(CONFIGS)
-        for label, drafting, parallel in CONFIGS[shift:] + CONFIGS[:shift]:
-            result = run_config(model, drafting, parallel, items, args.n, args.threads)
+        shift = r % len(configs)
+        for label, drafting, parallel in configs[shift:] + configs[:shift]:
+            result = run_config(model, drafting, parallel, items, args.n, args.threads, model_dft)
             if label not in best or result["wall_s"] < best[label]["wall_s"]:
                 best[label] = result
     model.close()
+    if model_dft is not None:
+        model_dft.close()
 
     base = best[CONFIGS[0][0]]
     print(f"{args.model.name}, {len(items)} prompts, max {args.max_tokens} tokens each, greedy, lookup N={args.n}, "
           f"threads {args.threads or 'default'}, best of {args.repeat} round(s)")  # fmt: skip
     print(f"| configuration | items/s | tok/s | vs one by one target-only | acceptance | tokens |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for label, _, _ in CONFIGS:
+    for label, _, _ in configs:
         row = best[label]
         acc = f"{row['acceptance']:.0%}" if row["acceptance"] is not None else "-"
         print(f"| {label} | {row['items_per_s']:.2f} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / base['tokens_per_s']:.2f}x | {acc} | {row['tokens']} |")
