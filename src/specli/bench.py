@@ -16,7 +16,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .engine import AUTO, MAX_DRAFT
+from .engine import AUTO, MAX_DRAFT, parse_draft_length
 from .errors import UsageError
 
 DEFAULT_NS = (AUTO, 1, 2, 3, 5, 8, 12)
@@ -116,17 +116,14 @@ def parse_ns(text: str) -> list[int | str]:
     ns: set[int] = set()
     auto = False
     for item in text.split(","):
-        item = item.strip()
-        if item.lower() == AUTO:
-            auto = True
-            continue
         try:
-            n = int(item)
-        except ValueError:
-            raise UsageError(f"--n takes draft lengths separated by commas, like auto,2,4,8; '{item}' is not a number") from None
-        if not 1 <= n <= MAX_DRAFT:
-            raise UsageError(f"--n values must be between 1 and {MAX_DRAFT} draft tokens per step, got {n}")
-        ns.add(n)
+            n = parse_draft_length(item)
+        except ValueError as err:
+            raise UsageError(f"--n takes 'auto' or draft lengths between 1 and {MAX_DRAFT}, separated by commas, like auto,2,4,8; {err}") from None
+        if n == AUTO:
+            auto = True
+        else:
+            ns.add(n)
     return [AUTO] * auto + sorted(ns)
 
 

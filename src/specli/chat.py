@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
-from .engine import AUTO, MAX_DRAFT
+from .engine import AUTO, MAX_DRAFT, parse_draft_length
 from .errors import UsageError
 from .llama import LlamaModel, apply_chat_template, builtin_chat_templates
 from .loading import Loaded
@@ -337,15 +337,11 @@ class ChatSession:
         if not self.with_drafting:
             self.notice("/n: no drafting in --target-only mode")
             return
-        n: int | str = AUTO if arg.strip().lower() == AUTO else 0
-        if n != AUTO:
-            try:
-                n = int(arg)
-            except ValueError:
-                pass
-            if not 1 <= n <= MAX_DRAFT:
-                self.notice(f"/n needs 'auto' or a number of draft tokens from 1 to {MAX_DRAFT}, e.g. /n 8")
-                return
+        try:
+            n = parse_draft_length(arg)
+        except ValueError:
+            self.notice(f"/n needs 'auto' or a number of draft tokens from 1 to {MAX_DRAFT}, e.g. /n 8")
+            return
         self.loaded.decoder.set_n_draft(n)
         self.notice("draft length: chosen each step (auto)" if n == AUTO else f"draft length: {n} tokens per step")
 

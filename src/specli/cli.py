@@ -15,7 +15,7 @@ import typer
 
 from . import __version__
 from .errors import EXIT_RUNTIME, EXIT_USAGE, SpecliError, UsageError
-from .engine import AUTO
+from .engine import MAX_DRAFT, parse_draft_length
 from .loading import ModelChoice, load, plan
 from .sampling import SamplingParams
 
@@ -78,13 +78,13 @@ def _model_choice(
 
 
 def parse_n_draft(text: str | None) -> int | str | None:
-    """-n's value: "auto", a whole number (checked against the range later), or None."""
-    if text is None or text.strip().lower() == AUTO:
-        return None if text is None else AUTO
+    """-n's value: "auto", a number of drafts, or None (not given)."""
+    if text is None:
+        return None
     try:
-        return int(text)
-    except ValueError:
-        raise UsageError(f"-n must be 'auto' or a number of draft tokens per step (1-64), got {text!r}") from None
+        return parse_draft_length(text)
+    except ValueError as err:
+        raise UsageError(f"-n must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step; {err}") from None
 
 
 def _load(the_plan, choice: ModelChoice, *, quiet: bool):

@@ -34,7 +34,7 @@ def batch_command(
     resume: bool = typer.Option(False, "--resume", help="Skip ids already done in the output file (the default when it exists)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over: replace an existing output file."),
     summary_path: Optional[Path] = typer.Option(None, "--summary", help="Also write the final summary as JSON to this file."),
-    parallel: int = typer.Option(1, "--parallel", "-P", help="Sequences sharing each target pass (above 1: with --lookup or --target-only)."),
+    parallel: int = typer.Option(1, "--parallel", "-P", help="Sequences sharing each target pass (each with its own drafts and caches)."),
     input_format: str = typer.Option("auto", "--format", help="Input format: auto (by extension, else by the first line), jsonl or text."),
     model: ModelOpt = None,
     draft: DraftOpt = None,

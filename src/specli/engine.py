@@ -40,6 +40,21 @@ AUTO = "auto"
 AUTO_MAX_DRAFT = 32  # the longest draft `-n auto` considers
 
 
+def parse_draft_length(text: str) -> int | str:
+    """`-n`'s value as typed: "auto" or a whole number of drafts from 1 to MAX_DRAFT. Raises
+    ValueError saying what is wrong (callers put it in their own words)."""
+    text = text.strip()
+    if text.lower() == AUTO:
+        return AUTO
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"'{text}' is not a number") from None
+    if not 1 <= n <= MAX_DRAFT:
+        raise ValueError(f"got {n}")
+    return n
+
+
 @dataclass
 class Step:
     """One target pass: what it emitted and how the draft fared."""
@@ -128,6 +143,7 @@ class SpeculativeDecoder:
     ):
         self.model_tgt = model_tgt
         self.drafter = drafter
+        self.policy: AdaptivePolicy | None = None  # created by the first "auto"; kept after
         self.set_n_draft(n_draft)
         self.sampling = sampling.validate()
 
@@ -139,8 +155,8 @@ class SpeculativeDecoder:
             self.n_draft = 0
         elif n_draft == AUTO:
             self.n_draft = AUTO_MAX_DRAFT
-            self.judge = getattr(self, "_policy", None) or AdaptivePolicy(AUTO_MAX_DRAFT)
-            self._policy = self.judge
+            self.policy = self.policy or AdaptivePolicy(AUTO_MAX_DRAFT)
+            self.judge = self.policy
         elif isinstance(n_draft, int) and 1 <= n_draft <= MAX_DRAFT:
             self.n_draft = n_draft
         else:

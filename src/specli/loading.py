@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
+from .batch import write_atomically
 from .compat import check_compatible
 from .drafters import DraftModelDrafter, Drafter, HybridDrafter, PromptLookupDrafter
 from .engine import AUTO, MAX_DRAFT, SpeculativeDecoder
@@ -70,9 +71,8 @@ class Loaded:
     policy_path: Path | None = None  # where `-n auto`'s measurements are kept between runs
 
     def close(self) -> None:
-        policy = getattr(self.decoder, "_policy", None)
-        if policy is not None and self.policy_path is not None:
-            save_policy_state(self.policy_path, policy.state())
+        if self.decoder.policy is not None and self.policy_path is not None:
+            save_policy_state(self.policy_path, self.decoder.policy.state())
         for model in (self.model_dft, self.model_tgt):
             if model is not None:
                 model.close()
@@ -103,9 +103,7 @@ def save_policy_state(path: Path, state: dict) -> None:
     only costs the next run its head start."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(state), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomically(path, [json.dumps(state)])
     except OSError:
         pass
 
@@ -178,7 +176,7 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
             state = load_policy_state(policy_path)
             if state is not None:
                 try:
-                    decoder.judge.restore(state)
+                    decoder.policy.restore(state)
                 except (ValueError, KeyError, TypeError, AttributeError):
                     pass  # another version or a damaged file: start from the priors
     except BaseException:

@@ -81,8 +81,8 @@ def best_length(accept: Sequence[float], t_draft: float, pass_cost: Callable[[in
 class PassCost:
     """T(n), the seconds of a target pass over n tokens, learnt from timed passes.
 
-    Each pass size keeps a running mean; between measured sizes T is interpolated, beyond them
-    extrapolated with the least-squares slope (or the prior slope while one size is known).
+    Each pass size keeps a running mean; `table` says how sizes in between and beyond are
+    estimated.
     """
 
     def __init__(self) -> None:

@@ -70,18 +70,11 @@ class Stats:
         self.drafted += n_drafted
         self.accepted += n_accepted
         self.n_tokens += n_emitted
-        for counts, upto in ((self.drafted_at, n_drafted), (self.accepted_at, n_accepted)):
-            if len(counts) < upto:
-                counts.extend([0] * (upto - len(counts)))
-            for i in range(upto):
-                counts[i] += 1
-        if len(self.draft_lengths) <= n_drafted:
-            self.draft_lengths.extend([0] * (n_drafted + 1 - len(self.draft_lengths)))
-        self.draft_lengths[n_drafted] += 1
+        _add_counts(self.drafted_at, [1] * n_drafted)
+        _add_counts(self.accepted_at, [1] * n_accepted)
+        _add_counts(self.draft_lengths, [0] * n_drafted + [1])
         if source is not None:
-            totals = self.by_source.setdefault(source, [0, 0])
-            totals[0] += n_drafted
-            totals[1] += n_accepted
+            _add_counts(self.by_source.setdefault(source, [0, 0]), [n_drafted, n_accepted])
 
     def drafting_summary(self) -> list[str]:
         """The drafting part of a one-line summary: acceptance, then drafts and tokens per pass."""
@@ -98,13 +91,9 @@ class Stats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at),
                              (self.draft_lengths, other.draft_lengths)):  # fmt: skip
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for i, count in enumerate(theirs):
-                mine[i] += count
-        for source, (drafted, accepted) in other.by_source.items():
-            totals = self.by_source.setdefault(source, [0, 0])
-            totals[0] += drafted
-            totals[1] += accepted
+            _add_counts(mine, theirs)
+        for source, totals in other.by_source.items():
+            _add_counts(self.by_source.setdefault(source, [0, 0]), totals)
 
     def to_dict(self) -> dict:
         """The `stats` object of `--json` (times in seconds)."""
@@ -132,3 +121,10 @@ class Stats:
                 for source, (d, a) in self.by_source.items()
             },
         }
+
+
+def _add_counts(counts: list[int], more: list[int]) -> None:
+    """counts[i] += more[i] for every i, growing `counts` with zeros where it is shorter."""
+    counts.extend([0] * (len(more) - len(counts)))
+    for i, n in enumerate(more):
+        counts[i] += n
