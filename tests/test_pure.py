@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specli.compat import check_compatible
-from specli.drafters import PromptLookupDrafter
+from specli.drafters import PromptLookupDrafter, _softmax_at
 from specli.errors import IncompatibleDraftError
 from specli.llama import VocabInfo, common_prefix_len
 from specli.stats import Stats
@@ -167,6 +167,17 @@ def test_lookup_continues_a_loop_with_its_period():
     context = [1, 2, 3, 1, 2, 3, 1, 2]
     drafter.begin(context)
     assert drafter.propose(context, 7).tokens == [3, 1, 2, 3, 1, 2, 3]
+
+
+def test_draft_confidence_is_the_softmax_probability_of_the_token():
+    rng = np.random.default_rng(0)
+    for scale in (0.5, 3.0, 10.0):
+        row = (rng.standard_normal(50_000) * scale).astype(np.float32)
+        full = np.exp(row.astype(np.float64) - row.max())
+        full /= full.sum()
+        for token in (int(row.argmax()), 7):  # the greedy pick, and a token a penalty picked
+            assert _softmax_at(row, token) == pytest.approx(full[token], rel=1e-4, abs=1e-12)
+    assert _softmax_at(np.array([0.0, -40.0, -50.0], dtype=np.float32), 0) == 1.0
 
 
 def test_common_prefix_len():

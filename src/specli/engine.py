@@ -235,7 +235,8 @@ class SpeculativeDecoder:
             t_done = time.perf_counter()
             if self.adaptive:
                 self.judge.observe(proposal.source, len(draft), verdict.n_accepted, proposal.confidences,
-                                   t_verify - t_draft, len(draft) + 1, t_done - t_verify, proposal.token_s)  # fmt: skip
+                                   t_verify - t_draft, len(draft) + 1, t_done - t_verify, proposal.token_s,
+                                   proposal.first_s)  # fmt: skip
 
             step = gen.record(verdict.tokens, verdict.n_accepted, len(draft), model_tgt.is_eog, proposal.source)
             context.extend(verdict.tokens)

@@ -63,16 +63,17 @@ def expected_tokens(accept: Sequence[float]) -> list[float]:
 
 
 def best_length(accept: Sequence[float], t_draft: float, pass_cost: Callable[[int], float],
-                plain_cost: float | None = None) -> int:  # fmt: skip
-    """The k in 0 .. len(accept) with the highest E(k) / (k t_draft + T(k+1)).
+                plain_cost: float | None = None, start_cost: float = 0.0) -> int:  # fmt: skip
+    """The k in 0 .. len(accept) with the highest E(k) / (start_cost + k t_draft + T(k+1)).
 
     `accept[i]` is a_i; `pass_cost(n)` is T(n); `plain_cost` is what a pass costs in plain
-    decoding (default T(1)). Ties go to the shorter draft (less work).
+    decoding (default T(1)); `start_cost` what a step that drafts at all pays on top of its
+    tokens. Ties go to the shorter draft (less work).
     """
     expected = expected_tokens(accept)
     best_k, best_rate = 0, expected[0] / (plain_cost if plain_cost is not None else pass_cost(1))
     for k in range(1, len(accept) + 1):
-        rate = expected[k] / (k * t_draft + pass_cost(k + 1))
+        rate = expected[k] / (start_cost + k * t_draft + pass_cost(k + 1))
         if rate > best_rate * (1 + 1e-12):
             best_k, best_rate = k, rate
     return best_k
@@ -228,10 +229,11 @@ class ConfidenceCalibration:
         return (self.accepted[b] + PRIOR_WEIGHT * centre) / (self.judged[b] + PRIOR_WEIGHT)
 
 
-def gated_rate(first: ConfidenceCalibration, later: Sequence[float], t_draft: float, costs: Sequence[float]) -> float | None:
-    """Tokens per second of drafting with a confidence gate: pay t_draft to see the first
-    token's confidence, keep it (and continue with the best number of later drafts, accepted
-    with the rates `later`) only in the bins where that pays, else make a plain pass.
+def gated_rate(first: ConfidenceCalibration, later: Sequence[float], t_draft: float, costs: Sequence[float],
+               start_cost: float = 0.0) -> float | None:  # fmt: skip
+    """Tokens per second of drafting with a confidence gate: pay start_cost + t_draft to see
+    the first token's confidence, keep it (and continue with the best number of later drafts,
+    accepted with the rates `later`) only in the bins where that pays, else make a plain pass.
 
     Long-run rate = expected tokens per step / expected seconds per step, over the recent mix
     of first-token confidences. None before any first token was seen. costs[n] = T(n).
@@ -239,12 +241,13 @@ def gated_rate(first: ConfidenceCalibration, later: Sequence[float], t_draft: fl
     total = sum(first.first_seen)
     if total == 0 or len(costs) < 3:
         return None
-    # After a kept first token: j more drafts, chosen for the best rate of the continuation.
+    # After a kept first token: j more drafts (j more draft passes), chosen for the best rate
+    # of the continuation.
     cont = expected_tokens(later[: len(costs) - 3])
     j = max(range(len(cont)), key=lambda j: cont[j] / ((1 + j) * t_draft + costs[j + 2]))
     kept_extra = j * t_draft + costs[j + 2] - costs[1]  # over looking and a plain pass
     bins = sorted(range(first.BINS), key=first.bin_rate, reverse=True)
-    tokens, seconds, best = 1.0, t_draft + costs[1], 0.0  # nothing kept: look, then a plain pass
+    tokens, seconds, best = 1.0, start_cost + t_draft + costs[1], 0.0  # nothing kept: look, then a plain pass
     for b in bins:  # keep the most promising bins first; the best prefix is the gate
         f = first.first_seen[b] / total
         tokens += f * first.bin_rate(b) * cont[j]
@@ -260,6 +263,7 @@ class SourceState:
     acceptance: PositionalAcceptance
     calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)
     t_draft: float | None = None  # seconds per drafted token, running mean
+    start_s: float | None = None  # what a step that drafts pays on top of its tokens, running mean
     plain_streak: int = 0  # steps in a row this source was not worth drafting
     probe_every: int = PROBE_EVERY_MIN
 
@@ -277,6 +281,11 @@ class DraftJudge:
         """Whether the draft token at `position`, which the drafter gives this probability,
         is worth sending to the target (False ends the proposal before it)."""
         return True
+
+    def last(self) -> bool:
+        """Whether the token `keep` has just kept is to end the proposal: no draft pass to see
+        the next one."""
+        return False
 
 
 FIXED = DraftJudge()
@@ -303,6 +312,7 @@ class AdaptivePolicy(DraftJudge):
         self._costs: list[float] = []
         self._rates: list[float] = []
         self._t_draft_now = 0.0
+        self._last = False  # keep()'s plan: the token it kept ends the proposal
         # A plain pass right after drafting is slower than one in a run of plain passes (a
         # draft model's forward pass evicts the target's weights from the CPU caches), so the
         # cost of plain decoding is measured on its own: a plain pass after a plain pass.
@@ -321,7 +331,7 @@ class AdaptivePolicy(DraftJudge):
             "sources": {
                 name: {
                     "judged": st.acceptance.judged, "accepted": st.acceptance.accepted, "t_draft": st.t_draft,
-                    "probe_every": st.probe_every,
+                    "start_s": st.start_s, "probe_every": st.probe_every,
                     "cal_judged": st.calibration.judged, "cal_accepted": st.calibration.accepted,
                     "first_seen": st.calibration.first_seen,
                 }  # fmt: skip
@@ -345,6 +355,7 @@ class AdaptivePolicy(DraftJudge):
                 values = [float(v) for v in data[key]][: len(target)]
                 target[: len(values)] = values
             st.t_draft = None if data["t_draft"] is None else float(data["t_draft"])
+            st.start_s = None if data.get("start_s") is None else float(data["start_s"])
             # A source that was not paying keeps its long probe interval (a probe has a cost).
             st.probe_every = min(max(int(data.get("probe_every", PROBE_EVERY_MIN)), PROBE_EVERY_MIN), PROBE_EVERY_MAX)
             sources[str(name)] = st
@@ -379,14 +390,14 @@ class AdaptivePolicy(DraftJudge):
         self._t_draft_now = self._t_draft(state)
         gated = None
         if state.t_draft is not None and self._has_confidence(state):
-            gated = gated_rate(state.calibration, self._rates[1:], self._t_draft_now, self._costs)
+            gated = gated_rate(state.calibration, self._rates[1:], self._t_draft_now, self._costs, state.start_s or 0.0)
         if gated is not None:
             # A draft model: whether to look at its first token at all; `keep` gates the rest.
             k = n_max if gated > 1 / self.plain_s else 0
         else:
-            k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__, self.plain_s)
+            k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__, self.plain_s, state.start_s or 0.0)
         if k > 0:
-            state.plain_streak, state.probe_every = 0, PROBE_EVERY_MIN
+            state.plain_streak = 0  # (the probe interval shrinks back when a draft pays: observe)
             return k
         state.plain_streak += 1
         if state.plain_streak >= state.probe_every and n_max > 0:
@@ -395,8 +406,11 @@ class AdaptivePolicy(DraftJudge):
             state.probe_every = min(state.probe_every * 2, PROBE_EVERY_MAX)
             self._probing = True
             # The old verdicts are what made drafting stop; the probe's says if that still holds.
+            # The calibration is left alone here: it says how far the draft model's confidence
+            # can be trusted, and starting it over from its prior (a calibrated draft) would
+            # send a draft model that is sure and wrong back to drafting at every probe. Only a
+            # probe that is accepted in full (the text may have changed) fades it (observe).
             state.acceptance.fade(PROBE_FADE)
-            state.calibration.fade(PROBE_FADE)
             return min(PROBE_LENGTH, n_max)
         return 0
 
@@ -406,8 +420,10 @@ class AdaptivePolicy(DraftJudge):
 
     def keep(self, source: str, position: int, confidence: float) -> bool:
         """Keep draft `position` if a pass including it (and the drafts expected after it) is
-        expected to yield more tokens per second than a pass that stops before it."""
+        expected to yield more tokens per second than a pass that stops before it; `last()`
+        then says whether the best plan ends with it."""
         state = self.source(source)
+        self._last = False
         if position == 0:
             state.calibration.saw_first(confidence)
         if self._probing:
@@ -415,12 +431,12 @@ class AdaptivePolicy(DraftJudge):
         if position + 2 >= len(self._costs):
             return False  # beyond what limit() allowed
         costs, t_draft = self._costs, self._t_draft_now
-        spent = (position + 1) * t_draft  # drafting cost already paid, whatever we decide
+        spent = (position + 1) * t_draft  # draft passes already paid, whatever we decide
         rate_without = self._expected / (spent + costs[position + 1])
         a_here = state.calibration.rate(confidence)
         later = self._rates[position + 1 : position + 1 + LOOKAHEAD]
         expected, all_accepted = self._expected, self._all_accepted * a_here
-        best_with = 0.0
+        best_with, best_extra = 0.0, 0
         for extra, a in enumerate([a_here, *later]):
             n = position + 1 + extra  # drafts in the pass
             if n + 1 >= len(costs):
@@ -428,29 +444,54 @@ class AdaptivePolicy(DraftJudge):
             if extra:
                 all_accepted *= a
             expected += all_accepted
-            best_with = max(best_with, expected / (spent + extra * t_draft + costs[n + 1]))
+            # `extra` more drafts cost `extra` more draft passes (this token's, ...); the last
+            # one kept ends the proposal without a pass of its own.
+            rate = expected / (spent + extra * t_draft + costs[n + 1])
+            if rate > best_with:
+                best_with, best_extra = rate, extra
         if best_with <= rate_without:
             return False
         self._all_accepted *= a_here
         self._expected += self._all_accepted
+        # Ending here saves the draft pass that would only show the next token: worth it when
+        # the plan is to stop after this one (the next token's confidence is not seen).
+        self._last = best_extra == 0
         return True
 
+    def last(self) -> bool:
+        return self._last
+
     def observe(self, source: str | None, n_drafted: int, n_accepted: int, confidences: Sequence[float] | None,
-                draft_s: float, pass_tokens: int, pass_s: float, token_s: float | None = None) -> None:  # fmt: skip
-        """One step's facts: what was drafted and accepted, what drafting cost (draft_s in all,
-        token_s per one-token draft pass when the drafter timed them) and what the pass cost."""
+                draft_s: float, pass_tokens: int, pass_s: float, token_s: float | None = None,
+                first_s: float | None = None) -> None:  # fmt: skip
+        """One step's facts: what was drafted and accepted, what drafting cost (draft_s in all;
+        when the drafter timed them, token_s per drafted token and first_s until its first
+        token) and what the pass cost."""
         self.pass_cost.observe(pass_tokens, pass_s)
-        plain = n_drafted == 0 and pass_tokens == 1
+        # Plain: nothing drafted, nor a draft model run only to look (confidences == []).
+        plain = n_drafted == 0 and pass_tokens == 1 and confidences is None
         if plain and self._previous_plain:
             self.plain_s = running_time(self.plain_s, pass_s)
         self._previous_plain = plain
-        if source is None or n_drafted == 0:
+        probe, self._probing = self._probing, False
+        if source is None:
             return
         state = self.source(source)
+        if first_s is not None and state.t_draft is not None:
+            # The first draft pass of a step runs on caches the target's pass has just used,
+            # and the step asks the policy first: what that costs beyond a drafted token.
+            state.start_s = running_time(state.start_s, max(first_s - state.t_draft, 0.0))
+        if n_drafted == 0:
+            return
+        if probe and n_accepted == n_drafted:
+            state.calibration.fade(PROBE_FADE)
+        elif not probe and self.plain_s is not None and (n_accepted + 1) * self.plain_s > draft_s + pass_s:
+            # This draft beat plain decoding: when drafting stops paying, probe again soon.
+            state.probe_every = PROBE_EVERY_MIN
         state.acceptance.observe(n_drafted, n_accepted)
         if confidences:
             state.calibration.observe(confidences, n_accepted)
         if confidences is not None and token_s is None and state.t_draft is not None:
-            return  # a draft model's proposal without a one-token pass: its time was catching up
+            return  # a draft model's one-token proposal: no draft pass of its own was timed
         per_token = token_s if token_s is not None else draft_s / n_drafted
         state.t_draft = running_time(state.t_draft, per_token)
