@@ -224,6 +224,29 @@ def test_a_draft_model_is_trusted_again_when_the_text_starts_to_pay():
         assert np.median(after[recovered + 50 :]) >= 4
 
 
+def test_a_draft_ends_on_its_last_useful_token_without_a_pass_to_see_the_next():
+    # A calibrated draft model, always sure (0.95): the drafts should stop where the wider pass
+    # stops paying, and they know where that is before seeing the next token, so nearly every
+    # proposal ends by `last()` (no draft pass spent on a token that is then dropped).
+    class Counting(AdaptivePolicy):
+        ended = dropped = 0
+
+        def keep(self, source, position, confidence):
+            kept = super().keep(source, position, confidence)
+            Counting.dropped += not kept and position > 0
+            return kept
+
+        def last(self):
+            Counting.ended += super().last()
+            return super().last()
+
+    policy = Counting(32)
+    relative_cpu = lambda n: cpu_cost(n) / cpu_cost(1)  # noqa: E731
+    lengths = simulate(policy, None, 1000, t_draft=0.1, confidence=lambda rng: 0.95, cost=relative_cpu)
+    assert 3 <= np.median(lengths[200:]) <= 12
+    assert Counting.ended > 10 * Counting.dropped
+
+
 def test_what_a_policy_learnt_survives_a_round_trip_through_json():
     import json
 
@@ -236,6 +259,7 @@ def test_what_a_policy_learnt_survives_a_round_trip_through_json():
     assert fresh.pass_cost.table(33) == trained.pass_cost.table(33)
     assert fresh.source("sim").acceptance.rates(8) == trained.source("sim").acceptance.rates(8)
     assert fresh.source("sim").t_draft == trained.source("sim").t_draft
+    assert fresh.source("sim").start_s == trained.source("sim").start_s
     assert fresh.limit("sim", 32) == trained.limit("sim", 32)  # no warm-up steps: it starts where it was
     with pytest.raises(ValueError):
         AdaptivePolicy(32).restore({**trained.state(), "version": 0})
