@@ -150,7 +150,8 @@ def test_a_draft_cache_far_behind_starts_over_on_a_window(perturbed):
     drafter = DraftModelDrafter(model_dft)
     prompt = model_tgt.tokenize(PROMPTS[0])
     drafter.begin(prompt)
-    # 100 tokens of plain decoding later (the draft model saw none of them):
+    # 100 tokens of plain decoding later (the draft model saw none of them), and no time has
+    # passed: catching up on them would cost more than CATCH_UP_SHARE of it.
     context = prompt + [(7 * i) % 500 + 10 for i in range(100)]
     evaluated = []
     original_eval = model_dft.eval
@@ -168,6 +169,19 @@ def test_a_draft_cache_far_behind_starts_over_on_a_window(perturbed):
     context = context + proposal.tokens[:1] + [11]
     drafter.propose(context, 2)
     assert model_dft.cached[: len(window) + 2] == [*window, proposal.tokens[0], 11]
+
+
+def test_a_draft_cache_catches_up_in_full_when_that_is_cheap_next_to_the_plain_steps(perturbed):
+    model_tgt, model_dft = perturbed
+    drafter = DraftModelDrafter(model_dft)
+    prompt = model_tgt.tokenize(PROMPTS[0])
+    drafter.begin(prompt)  # a batch pass over the prompt: the draft model's batch speed
+    context = prompt + [(7 * i) % 500 + 10 for i in range(100)]
+    drafter._last_call -= 60.0  # the 100 plain steps took a minute: a 100-token batch is cheap
+    proposal = drafter.propose(context, 3)
+    assert len(proposal.tokens) == 3
+    assert model_dft.cached[: len(context)] == context  # all of it, no window
+    assert proposal.first_s is None  # a catch-up is no measure of a step's start-up cost
 
 
 def test_context_full_stops_cleanly(pair_perturbed):

@@ -68,17 +68,23 @@ class DraftModelDrafter:
     only the tokens it has not seen (the target's own token, plus the last draft after a full
     accept) — never the whole history.
 
-    After a stretch of plain decoding (`-n auto` not drafting), catching up on every token
-    missed would cost a batch pass over all of them, as much as the plain steps saved when the
-    draft model is expensive (a re-probe of `-n auto` after 128 plain steps would cost about as
-    much as 30 of them on Gemma 270M). So a cache more than CATCH_UP_LIMIT tokens behind starts
-    over on a window: the context's first token (BOS) and its last CATCH_UP_LIMIT tokens, and
-    grows from there. A draft only has to guess well; the target's verification keeps the
+    After a stretch of plain decoding (`-n auto` not drafting) the cache is behind. Catching up
+    is one batch pass over the tokens missed: about 1% of the time those plain steps took on the
+    synthetic pairs (a 1-block draft for a 9-block target), but 10% when the draft model costs as
+    much as its target (Gemma 270M Q4 for its F16: a re-probe after 128 plain steps would cost
+    about as much as 13 of them). A draft that starts over from a short window guesses badly
+    (a90's first-token acceptance: 0.26-0.45 from 16 tokens, 0.84-1.0 from all of them), which
+    would make `-n auto`'s re-probes fail where drafting pays. So the cache catches up in full
+    when that costs at most CATCH_UP_SHARE of the time since the last proposal (from the draft
+    model's measured batch speed), and otherwise, when more than CATCH_UP_LIMIT tokens behind,
+    starts over on a window: the context's first token (BOS) and its last CATCH_UP_LIMIT tokens,
+    growing from there. A draft only has to guess well; the target's verification keeps the
     output exact.
     """
 
     name = "draft-model"
     CATCH_UP_LIMIT = 16
+    CATCH_UP_SHARE = 0.03
 
     def __init__(self, model_dft: LlamaModel):
         self.model_dft = model_dft
@@ -86,17 +92,34 @@ class DraftModelDrafter:
         self._offset = 0  # the draft model sees context[:1] + context[offset:] (0: all of it)
         self.sampling = GREEDY
         self.rng = np.random.default_rng(0)
+        self._batch_s: float | None = None  # seconds per token of a batch pass (catch-up)
+        self._last_call = time.perf_counter()  # when begin() or propose() last returned
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
         self.sampling = sampling
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self._offset = 0
-        self.model_dft.sync(prompt)
+        self._timed_sync(prompt)
+        self._last_call = time.perf_counter()
+
+    def _timed_sync(self, view: Sequence[int]) -> tuple[np.ndarray, int]:
+        """sync(view) and how many tokens were new to the cache; learns the batch speed from
+        passes over 8 tokens or more."""
+        n_new = len(view) - common_prefix_len(self.model_dft.cached, view)
+        t0 = time.perf_counter()
+        logits = self.model_dft.sync(view)
+        if n_new >= 8:
+            self._batch_s = (time.perf_counter() - t0) / n_new
+        return logits, n_new
 
     def _view(self, context: Sequence[int]) -> Sequence[int]:
         """The part of the context the draft model conditions on (see the class docstring)."""
         view = context if self._offset == 0 else [*context[:1], *context[self._offset :]]
-        if len(view) - len(self.model_dft.cached) > self.CATCH_UP_LIMIT and len(context) > self.CATCH_UP_LIMIT + 1:
+        behind = len(view) - len(self.model_dft.cached)
+        affordable = self._batch_s is not None and behind * self._batch_s <= self.CATCH_UP_SHARE * (
+            time.perf_counter() - self._last_call
+        )
+        if behind > self.CATCH_UP_LIMIT and not affordable and len(context) > self.CATCH_UP_LIMIT + 1:
             self._offset = len(context) - self.CATCH_UP_LIMIT
             view = [*context[:1], *context[self._offset :]]
         return view
@@ -107,10 +130,10 @@ class DraftModelDrafter:
         if n_max <= 0:
             return _empty(self.name)
         view = self._view(context)
+        logits, n_new = self._timed_sync(view)
         # Usually 1 or 2 tokens are new to the draft cache (the target's own token, and the last
         # draft after a full accept); more is a catch-up after plain steps.
-        caught_up = len(view) - common_prefix_len(self.model_dft.cached, view) > 2
-        logits = self.model_dft.sync(view)
+        caught_up = n_new > 2
         self._context_len = len(view)
         tokens: list[int] = []
         q_rows: list[np.ndarray] | None = None if self.sampling.greedy else []
@@ -141,6 +164,7 @@ class DraftModelDrafter:
             one_token_s.append(now - t_round)
             t_round = now
         token_s = sum(one_token_s) / len(one_token_s) if one_token_s else None
+        self._last_call = time.perf_counter()
         return Proposal(tokens, q_rows, self.name, confidences, token_s, first_s)
 
     def update(self, n_drafted: int, n_accepted: int) -> None:

@@ -3,12 +3,14 @@
 The model, in plain words:
 - cost: a target pass over n tokens takes T(n) seconds (on a CPU it grows with n: 13.8 ms for
   1 token, 92 ms for 17 on Gemma 270M; on a GPU it is nearly flat); drafting one token costs
-  t_draft (a draft model's forward pass; almost nothing for prompt lookup).
+  t_draft (a draft model's forward pass and the loop's work on the token; almost nothing for
+  prompt lookup), and a step that drafts pays `start` before its first token (the draft
+  model's first pass runs on caches the target's pass has just used).
 - acceptance: a_i = probability that draft i (0-based) is accepted when all drafts before it
   were. For a draft model, a_i can also be read from the draft's own confidence in token i
   (calibrated against what the target actually accepted).
 - a pass with k drafts yields E(k) = 1 + a_0 + a_0 a_1 + ... + a_0...a_{k-1} tokens on average
-  (the accepted drafts plus the target's own token) and costs C(k) = k t_draft + T(k+1).
+  (the accepted drafts plus the target's own token) and costs C(k) = start + k t_draft + T(k+1).
 - the policy picks k to maximise E(k) / C(k), tokens per second. k = 0 is plain decoding, whose
   cost is measured on its own (a plain pass after a plain pass: right after a draft model's
   pass the target runs slower, its weights evicted from the CPU caches), so a policy's first two
@@ -17,7 +19,11 @@ The model, in plain words:
   starting) is noticed.
 - a draft model's tokens come with its confidence: whether to look at the first draft token at
   all is judged over the recent mix of confidences (`gated_rate`), and each token is kept only
-  while the pass it widens is expected to pay (`AdaptivePolicy.keep`).
+  while the pass it widens is expected to pay (`AdaptivePolicy.keep`); when the best plan ends
+  with the token just kept, the proposal ends there (`last`) instead of paying a draft pass to
+  see a next token that would be dropped.
+- re-probes fade the acceptance record, not the confidence calibration (how far the draft
+  model can be trusted is a property of the pair): only a probe accepted in full fades it too.
 
 Everything here is pure bookkeeping and arithmetic on numbers handed in by the engine: no
 timing is taken here, so the policy is tested on simulated costs and acceptances.
@@ -42,6 +48,9 @@ PROBE_EVERY_MIN = 4  # plain steps before the first re-probe
 PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this
 PROBE_FADE = 0.1  # evidence kept when a probe starts
 LOOKAHEAD = 8  # drafts after the current one that `keep` weighs
+WARM_UP_DRAFTS = 4  # a draft model's first steps draft (keep still judges each token): the
+# first timings of a new pass shape are slow (0.6 ms per draft token where 0.3 is usual), and a
+# gate closed on them would only reopen through re-probes
 
 
 def running_time(mean: float | None, seconds: float) -> float:
@@ -265,6 +274,7 @@ class SourceState:
     t_draft: float | None = None  # seconds per drafted token, running mean
     start_s: float | None = None  # what a step that drafts pays on top of its tokens, running mean
     plain_streak: int = 0  # steps in a row this source was not worth drafting
+    drafting_steps: int = 0  # steps that ran the drafter (counted up to WARM_UP_DRAFTS)
     probe_every: int = PROBE_EVERY_MIN
 
 
@@ -331,7 +341,7 @@ class AdaptivePolicy(DraftJudge):
             "sources": {
                 name: {
                     "judged": st.acceptance.judged, "accepted": st.acceptance.accepted, "t_draft": st.t_draft,
-                    "start_s": st.start_s, "probe_every": st.probe_every,
+                    "start_s": st.start_s, "probe_every": st.probe_every, "drafting_steps": st.drafting_steps,
                     "cal_judged": st.calibration.judged, "cal_accepted": st.calibration.accepted,
                     "first_seen": st.calibration.first_seen,
                 }  # fmt: skip
@@ -356,6 +366,7 @@ class AdaptivePolicy(DraftJudge):
                 target[: len(values)] = values
             st.t_draft = None if data["t_draft"] is None else float(data["t_draft"])
             st.start_s = None if data.get("start_s") is None else float(data["start_s"])
+            st.drafting_steps = min(int(data.get("drafting_steps", 0)), WARM_UP_DRAFTS)
             # A source that was not paying keeps its long probe interval (a probe has a cost).
             st.probe_every = min(max(int(data.get("probe_every", PROBE_EVERY_MIN)), PROBE_EVERY_MIN), PROBE_EVERY_MAX)
             sources[str(name)] = st
@@ -393,7 +404,7 @@ class AdaptivePolicy(DraftJudge):
             gated = gated_rate(state.calibration, self._rates[1:], self._t_draft_now, self._costs, state.start_s or 0.0)
         if gated is not None:
             # A draft model: whether to look at its first token at all; `keep` gates the rest.
-            k = n_max if gated > 1 / self.plain_s else 0
+            k = n_max if gated > 1 / self.plain_s or state.drafting_steps < WARM_UP_DRAFTS else 0
         else:
             k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__, self.plain_s, state.start_s or 0.0)
         if k > 0:
@@ -477,6 +488,8 @@ class AdaptivePolicy(DraftJudge):
         if source is None:
             return
         state = self.source(source)
+        if n_drafted or confidences is not None:  # the drafter ran (a draft model may only have looked)
+            state.drafting_steps = min(state.drafting_steps + 1, WARM_UP_DRAFTS)
         if first_s is not None and state.t_draft is not None:
             # The first draft pass of a step runs on caches the target's pass has just used,
             # and the step asks the policy first: what that costs beyond a drafted token.
