@@ -7,7 +7,7 @@ import pytest
 
 from specli.policy import (
     PROBE_EVERY_MAX, AdaptivePolicy, ConfidenceCalibration, PassCost, PositionalAcceptance, best_length,
-    expected_tokens,
+    expected_tokens, monotone,
 )  # fmt: skip
 
 FLAT = lambda n: 1.0  # noqa: E731  a GPU-like target: a pass costs the same for 1 or 33 tokens
@@ -81,6 +81,19 @@ def test_pass_cost_interpolates_and_extrapolates_measured_sizes():
     for _ in range(40):
         cost.observe(1, 20.0)
     assert cost(1) == pytest.approx(20.0, rel=1e-3)  # a running mean follows a slower machine
+
+
+def test_a_wider_pass_never_costs_less():
+    # Timings of 8 and 9 tokens that read 9.3 and 7.1 ms (noise) would send every plan to 9.
+    cost = PassCost()
+    for n, ms in ((1, 3.0), (5, 6.8), (8, 9.3), (9, 7.1), (10, 10.3)):
+        for _ in range(10):
+            cost.observe(n, ms)
+    table = cost.table(10)
+    assert all(a <= b for a, b in zip(table[1:], table[2:]))
+    assert table[8] == table[9] == pytest.approx((9.3 + 7.1) / 2)  # the violators pooled
+    assert monotone([3.0, 1.0, 2.0], [1, 1, 2]) == pytest.approx([2.0, 2.0, 2.0])
+    assert monotone([1.0, 2.0], [1, 1]) == [1.0, 2.0]
 
 
 def test_positional_acceptance_learns_each_position_and_borrows_for_unseen_ones():
