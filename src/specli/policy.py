@@ -48,7 +48,7 @@ PROBE_EVERY_MIN = 4  # plain steps before the first re-probe
 PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this
 PROBE_FADE = 0.1  # evidence kept when a probe starts
 LOOKAHEAD = 8  # drafts after the current one that `keep` weighs
-WARM_UP_DRAFTS = 2  # a draft model's first steps draft (keep still judges each token): the
+WARM_UP_DRAFTS = 4  # a draft model's first steps draft (keep still judges each token): the
 # first timings of a new pass shape are slow (0.6 ms per draft token where 0.3 is usual), and a
 # gate closed on them would only reopen through re-probes
 
