@@ -17,11 +17,13 @@ how much a noisy clock costs the choices.
 Usage:
   python benchmarks/policy_sim.py --pair /tmp/specli-cost-pairs/a70 [--ns 3,5,8] [--noise 0.1]
   python benchmarks/policy_sim.py --lookup                # Gemma 3 270M with prompt lookup
+  ... --costs a70-costs.json   # measure once, then compare policy changes on the same costs
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import sys
@@ -120,6 +122,8 @@ def main() -> int:
                         help="draft pass cost in the loop / in isolation (0.55 measured on the synthetic pairs)")
     parser.add_argument("--after-draft", type=float, default=0.0, help="ms added to a target pass after a draft pass")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--costs", type=Path, help="JSON file of pass times: read if it exists, else measured and written "
+                        "(the same costs for runs that compare versions of the policy)")  # fmt: skip
     args = parser.parse_args()
     if not args.lookup and args.pair is None:
         parser.error("give --pair DIR or --lookup")
@@ -129,11 +133,17 @@ def main() -> int:
     else:
         target = LlamaModel(next(args.pair.glob("*target*.gguf")), n_ctx=4096, n_threads=args.threads)
         draft = LlamaModel(next(args.pair.glob("*draft*.gguf")), n_ctx=4096, n_threads=args.threads)
-    print("measuring pass times ...", file=sys.stderr)
+    if args.costs is not None and args.costs.exists():
+        tables = json.loads(args.costs.read_text())
+    else:
+        print("measuring pass times ...", file=sys.stderr)
+        tables = {"target": pass_times(target), "draft": pass_times(draft) if draft is not None else None}
+        if args.costs is not None:
+            args.costs.write_text(json.dumps(tables))
     clock = SimulatedClock(args.noise, args.after_draft / 1000)
-    clock.install(target, pass_times(target), "target")
+    clock.install(target, tables["target"], "target")
     if draft is not None:
-        clock.install(draft, pass_times(draft), "draft", args.draft_scale)
+        clock.install(draft, tables["draft"], "draft", args.draft_scale)
         real_begin = DraftModelDrafter.begin
 
         def begin(self, *a, **k):  # the drafter's prompt pass is not generation time
