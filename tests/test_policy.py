@@ -209,15 +209,16 @@ def test_a_draft_model_that_is_sure_and_wrong_is_left_alone(seed):
     # target takes only 70% of those (and 30% of the unsure ones); a draft token costs 5% of a
     # one-token pass and passes cost as on a CPU, so drafting does not pay. The calibration has
     # to keep that lesson through the re-probes, which the text accepts now and then by
-    # chance: plain decoding, within 4% of its speed. (Fading the calibration at every probe
-    # sent such a pair back to drafting each time: 0.90-0.93 of plain speed.)
+    # chance (half the time here: no news): plain decoding, within 2% of its speed. (Fading the
+    # calibration at every probe sent such a pair back to drafting each time: 0.90-0.93 of
+    # plain speed; at every fully accepted probe, 0.965-0.988.)
     policy = AdaptivePolicy(32)
     pick = lambda rng: 0.97 if rng.random() < 0.9 else 0.5  # noqa: E731
     relative_cpu = lambda n: cpu_cost(n) / cpu_cost(1)  # noqa: E731
     totals: dict = {}
     simulate(policy, None, 3000, t_draft=0.05, confidence=pick, trust=lambda c: 0.7 if c > 0.9 else 0.3,
              cost=relative_cpu, totals=totals, seed=seed)  # fmt: skip
-    assert totals["tokens"] / totals["seconds"] >= 0.96  # plain decoding makes 1 token per unit
+    assert totals["tokens"] / totals["seconds"] >= 0.98  # plain decoding makes 1 token per unit
 
 
 def test_a_draft_model_is_trusted_again_when_the_text_starts_to_pay():

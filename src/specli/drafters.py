@@ -278,9 +278,11 @@ def _softmax_at(logits: np.ndarray, token: int) -> float:
     """The probability softmax(logits) gives `token` (the draft's confidence in a greedy pick),
     from the logits within SOFTMAX_TAIL of the token's: exact to ~1e-4 on real models' rows."""
     own = logits[token]
-    near = np.extract(logits > own - SOFTMAX_TAIL, logits)
-    if near.size > logits.size // 8:
-        near = logits  # a flat row: the whole softmax costs less than selecting most of it
+    near = logits
+    if logits.size > 8192:  # (a small vocabulary costs less whole than selected)
+        near = np.extract(logits > own - SOFTMAX_TAIL, logits)
+        if near.size > logits.size // 8:
+            near = logits  # a flat row: the whole softmax costs less than selecting most of it
     return float(1.0 / np.exp(near - own).sum(dtype=np.float64))
 
 

@@ -23,7 +23,8 @@ The model, in plain words:
   with the token just kept, the proposal ends there (`last`) instead of paying a draft pass to
   see a next token that would be dropped.
 - re-probes fade the acceptance record, not the confidence calibration (how far the draft
-  model can be trusted is a property of the pair): only a probe accepted in full fades it too.
+  model can be trusted is a property of the pair): only a probe accepted in full against the
+  calibration's odds (under PROBE_SURPRISE) fades it too.
 
 Everything here is pure bookkeeping and arithmetic on numbers handed in by the engine: no
 timing is taken here, so the policy is tested on simulated costs and acceptances.
@@ -47,6 +48,7 @@ PROBE_LENGTH = 2
 PROBE_EVERY_MIN = 4  # plain steps before the first re-probe
 PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this
 PROBE_FADE = 0.1  # evidence kept when a probe starts
+PROBE_SURPRISE = 0.25  # a fully accepted probe reopens the calibration only if it was this unlikely
 LOOKAHEAD = 8  # drafts after the current one that `keep` weighs
 WARM_UP_DRAFTS = 4  # a draft model's first steps draft (keep still judges each token): the
 # first timings of a new pass shape are slow (0.6 ms per draft token where 0.3 is usual), and a
@@ -442,6 +444,16 @@ class AdaptivePolicy(DraftJudge):
         return 0
 
     @staticmethod
+    def _surprising(state: SourceState, confidences: Sequence[float] | None) -> bool:
+        """Whether the calibration gave a fully accepted probe less than PROBE_SURPRISE: a pair
+        whose drafts are taken half the time passes a 2-token probe one time in four, and that
+        is no news; one whose drafts were all refused passing it is."""
+        chance = 1.0
+        for confidence in confidences or ():
+            chance *= state.calibration.rate(confidence)
+        return chance < PROBE_SURPRISE
+
+    @staticmethod
     def _has_confidence(state: SourceState) -> bool:
         return sum(state.calibration.judged) > 0
 
@@ -512,7 +524,7 @@ class AdaptivePolicy(DraftJudge):
             state.start_s = running_time(state.start_s, max(first_s - state.t_draft, 0.0))
         if n_drafted == 0:
             return
-        if probe and n_accepted == n_drafted:
+        if probe and n_accepted == n_drafted and self._surprising(state, confidences):
             state.calibration.fade(PROBE_FADE)
         elif not probe and self.plain_s is not None and (n_accepted + 1) * self.plain_s > draft_s + pass_s:
             # This draft beat plain decoding: when drafting stops paying, probe again soon.
