@@ -438,7 +438,8 @@ class AdaptivePolicy(DraftJudge):
             # The calibration is left alone here: it says how far the draft model's confidence
             # can be trusted, and starting it over from its prior (a calibrated draft) would
             # send a draft model that is sure and wrong back to drafting at every probe. Only a
-            # probe that is accepted in full (the text may have changed) fades it (observe).
+            # probe accepted in full against the calibration's odds (the text may have changed)
+            # fades it (observe).
             state.acceptance.fade(PROBE_FADE)
             return min(PROBE_LENGTH, n_max)
         return 0
