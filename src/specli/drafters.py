@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from .llama import LlamaModel, common_prefix_len
+from .llama import LlamaModel
 from .policy import FIXED, DraftJudge
 from .sampling import GREEDY, SamplingParams, greedy_choice, penalty_history, sample_from_logits
 
@@ -105,9 +105,9 @@ class DraftModelDrafter:
     def _timed_sync(self, view: Sequence[int]) -> tuple[np.ndarray, int]:
         """sync(view) and how many tokens were new to the cache; learns the batch speed from
         passes over 8 tokens or more."""
-        n_new = len(view) - common_prefix_len(self.model_dft.cached, view)
         t0 = time.perf_counter()
         logits = self.model_dft.sync(view)
+        n_new = self.model_dft.synced_new
         if n_new >= 8:
             self._batch_s = (time.perf_counter() - t0) / n_new
         return logits, n_new

@@ -179,6 +179,7 @@ class LlamaModel:
         self.n_batch = int(llama_cpp.llama_n_batch(ctx))
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.cached: list[int] = []
+        self.synced_new = 0  # tokens the latest sync() evaluated
         # Logits of the newest cached token, when the latest eval produced them (else None).
         self._tail_logits: np.ndarray | None = None
         self._pieces: dict[int, bytes] = {}
@@ -310,10 +311,12 @@ class LlamaModel:
         assert context, "sync needs at least one token"
         common = common_prefix_len(self.cached, context)
         if common == len(context) == len(self.cached) and self._tail_logits is not None:
+            self.synced_new = 0
             return self._tail_logits
         # The logits of an already-cached last token are gone: evaluate it again.
         common = min(common, len(context) - 1)
         self.truncate(common)
+        self.synced_new = len(context) - common
         return self.eval(context[common:], logits="last")
 
     def reset(self) -> None:
@@ -463,6 +466,7 @@ class SequenceView:
     def __init__(self, seqs: MultiSequenceContext, seq: int, model: LlamaModel):
         self._seqs, self._seq, self._model = seqs, seq, model
         self.n_ctx = seqs.n_ctx_per_seq
+        self.synced_new = 0  # tokens the latest sync() evaluated
 
     @property
     def cached(self) -> list[int]:
@@ -488,6 +492,7 @@ class SequenceView:
         assert context, "sync needs at least one token"
         common = min(common_prefix_len(self.cached, context), len(context) - 1)
         self.truncate(common)
+        self.synced_new = len(context) - common
         return self.eval(context[common:], logits="last")
 
 
