@@ -44,6 +44,8 @@ PRIOR_DRAFT_COST = 0.1  # t_draft / T(1) until a draft is measured
 DECAY = 0.97  # weight of older observations per new one: recent text counts most
 COST_EMA = 0.2  # weight of the newest timing in a pass-size's running mean (when slower)
 COST_EMA_DOWN = 0.5  # ... when faster than the mean
+COST_FORGET = 0.95  # weight of a wide pass in the cost line per newer pass (about 20 passes)
+COST_CLIP = 1.5  # a wide pass counts at most this times the line's estimate
 PROBE_LENGTH = 2
 PROBE_EVERY_MIN = 4  # plain steps before the first re-probe
 PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this
@@ -90,34 +92,54 @@ def best_length(accept: Sequence[float], t_draft: float, pass_cost: Callable[[in
     return best_k
 
 
-def monotone(values: Sequence[float], weights: Sequence[float]) -> list[float]:
-    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent
-    violators: a run that decreases is replaced by its weighted mean)."""
-    blocks: list[list[float]] = []  # [mean, weight, length]
-    for value, weight in zip(values, weights):
-        blocks.append([value, weight, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            v2, w2, n2 = blocks.pop()
-            v1, w1, n1 = blocks.pop()
-            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
-    return [value for value, _, length in blocks for _ in range(int(length))]
-
-
 class PassCost:
     """T(n), the seconds of a target pass over n tokens, learnt from timed passes.
 
-    Each pass size keeps a running mean; `table` says how sizes in between and beyond are
-    estimated.
+    A one-token pass (plain decoding, or a draft model's look that kept nothing) keeps a running
+    mean of its own. Wider passes follow a straight line, T(n) = a + b n, fitted by least
+    squares to recent passes, each older pass counting COST_FORGET as much as the next: on a
+    CPU a pass costs about a fixed part plus a part per token (NOTES.md; the a90 pair in the
+    loop: 5.4 / 6.4 / 8.7 / 10.4 ms for 4 / 6 / 9 / 13 tokens), on a GPU nearly the fixed part
+    alone. One mean per size instead left sizes measured in a slow moment expensive for good:
+    they were never chosen again, so never re-measured (a90 runs stuck at 4 or 8 drafts per
+    pass, all accepted, and noise in the per-size means made steps that plans clustered at).
+    Beyond the widest pass measured lately, the cost rises optimistically (the smaller of the
+    fitted and the prior slope), so that a longer draft gets tried and then judged on its real
+    cost; a pessimistic guess would never be put to the test.
     """
 
     def __init__(self) -> None:
-        self._mean: dict[int, float] = {}
+        self._mean: dict[int, float] = {}  # per size: running mean (T(1) is read from it)
         self._count: dict[int, int] = {}
+        self._fit = [0.0] * 5  # wide passes, forgetting-weighted: sum w, w n, w n^2, w t, w n t
+        self._widest = 0.0  # the widest pass measured lately (fades back like the fit)
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         assert n_tokens >= 1 and seconds >= 0
         self._mean[n_tokens] = running_time(self._mean.get(n_tokens), seconds)
         self._count[n_tokens] = self._count.get(n_tokens, 0) + 1
+        if n_tokens >= 2:
+            if self._fit[0] >= 3:
+                # One pass stalled by another process must not steer the line for dozens.
+                seconds = min(seconds, COST_CLIP * self._line()(n_tokens))
+            w, wn, wnn, wt, wnt = (x * COST_FORGET for x in self._fit)
+            self._fit = [w + 1, wn + n_tokens, wnn + n_tokens**2, wt + seconds, wnt + n_tokens * seconds]
+            self._widest = max(self._widest * COST_FORGET, n_tokens)
+
+    def state(self) -> dict:
+        return {"pass_mean": {str(n): t for n, t in self._mean.items()},
+                "pass_count": {str(n): c for n, c in self._count.items()},
+                "pass_fit": list(self._fit), "pass_widest": self._widest}  # fmt: skip
+
+    def load(self, state: dict) -> None:
+        """Start from what another run measured (`state()`); raises KeyError/ValueError/TypeError
+        on data of another shape."""
+        mean = {int(n): float(t) for n, t in state["pass_mean"].items()}
+        count = {int(n): int(c) for n, c in state["pass_count"].items()}
+        fit = [float(x) for x in state["pass_fit"]]
+        if len(fit) != 5 or not set(mean) == set(count):
+            raise ValueError("another shape")
+        self._mean, self._count, self._fit, self._widest = mean, count, fit, float(state["pass_widest"])
 
     @property
     def measured(self) -> bool:
@@ -126,59 +148,49 @@ class PassCost:
     def __call__(self, n_tokens: int) -> float:
         return self.table(n_tokens)[n_tokens]
 
-    def table(self, n_top: int) -> list[float]:
-        """[T(0) = 0, T(1), ..., T(n_top)]: every size a step may ask about, in one pass.
+    def _slope(self) -> float:
+        """Seconds per extra token of a wide pass: the fitted slope when the recent passes differ
+        in size; else from T(1) to their mean; else the prior. Never negative."""
+        w, wn, wnn, wt, wnt = self._fit
+        mean_n, mean_t = wn / w, wt / w
+        spread = wnn / w - mean_n**2
+        if spread >= 0.25:
+            return max((wnt / w - mean_n * mean_t) / spread, 0.0)
+        if 1 in self._mean and mean_n > 1:
+            return max((mean_t - self._mean[1]) / (mean_n - 1), 0.0)
+        return self._prior_slope()
 
-        Between measured sizes: interpolated. Beyond the longest measured: optimistic (the
-        smaller of the fitted and the prior slope), so that a longer draft gets tried, measured,
-        and then judged on its real cost; a pessimistic guess would never be put to the test.
-        Below the shortest: the steeper of the fitted slope and the slope between the two
-        shortest sizes (costs rise fastest there on a CPU); a low guess favours a plain pass,
-        which then measures T(1).
-        """
+    def _line(self) -> Callable[[int], float]:
+        w, wn, _, wt, _ = self._fit
+        mean_n, mean_t, slope = wn / w, wt / w, self._slope()
+        return lambda n: mean_t + slope * (n - mean_n)
+
+    def table(self, n_top: int) -> list[float]:
+        """[T(0) = 0, T(1), ..., T(n_top)]: every size a step may ask about, in one pass; never
+        decreasing in n."""
         if not self._mean:
             return [0.0] + [1.0 + PRIOR_SLOPE * (n - 1) for n in range(1, n_top + 1)]  # relative units
-        sizes = sorted(self._mean)
-        # A wider pass never costs less: timings that say otherwise are noise (two sizes measured
-        # 40 times each read 9.3 and 7.1 ms for 8 and 9 tokens on the a90 pair), and a table that
-        # dips sends every plan to the dip. So the means are made non-decreasing first.
-        means = monotone([self._mean[size] for size in sizes], [min(self._count[size], 10) for size in sizes])
-        fitted = self._fitted_slope()
-        up = min(fitted, self._prior_slope())
-        down = max(fitted, (means[1] - means[0]) / (sizes[1] - sizes[0])) if len(sizes) >= 2 else fitted
-        out, j = [0.0], 0
-        for n in range(1, n_top + 1):
-            while j < len(sizes) and sizes[j] < n:
-                j += 1
-            if j < len(sizes) and sizes[j] == n:
-                t = means[j]
-            elif j == 0:
-                t = means[0] - down * (sizes[0] - n)
-            elif j == len(sizes):
-                t = means[-1] + up * (n - sizes[-1])
-            else:
-                w = (n - sizes[j - 1]) / (sizes[j] - sizes[j - 1])
-                t = (1 - w) * means[j - 1] + w * means[j]
-            out.append(max(t, 1e-9))
+        prior = self._prior_slope()
+        if self._fit[0] < 1e-9:  # one-token passes only: T(1) and the prior slope
+            t1 = self._mean.get(1, min(self._mean.values()))
+            return [0.0] + [t1 + prior * (n - 1) for n in range(1, n_top + 1)]
+        w, wn, _, wt, _ = self._fit
+        slope = self._slope()
+        at_0 = wt / w - slope * wn / w  # the line's T(0)
+        widest = max(2, round(self._widest))
+        up = min(slope, prior)
+        previous = self._mean[1] if 1 in self._mean else max(at_0 + slope, 1e-9)
+        out = [0.0, previous]
+        for n in range(2, n_top + 1):  # (a hot loop: -n auto plans with it every step)
+            t = at_0 + slope * n if n <= widest else at_0 + slope * widest + up * (n - widest)
+            previous = t if t > previous else previous
+            out.append(previous)
         return out
 
     def _prior_slope(self) -> float:
         """PRIOR_SLOPE of a one-token pass, scaled from the shortest pass measured."""
         shortest = min(self._mean)
         return PRIOR_SLOPE * self._mean[shortest] / (1 + PRIOR_SLOPE * (shortest - 1))
-
-    def _fitted_slope(self) -> float:
-        """Seconds per extra token: the count-weighted least-squares slope, never negative."""
-        sizes = list(self._mean)
-        if len(sizes) < 2:
-            return self._prior_slope()
-        weights = [min(self._count[s], 10) for s in sizes]
-        total = sum(weights)
-        mx = sum(w * s for w, s in zip(weights, sizes)) / total
-        my = sum(w * self._mean[s] for w, s in zip(weights, sizes)) / total
-        sxx = sum(w * (s - mx) ** 2 for w, s in zip(weights, sizes))
-        sxy = sum(w * (s - mx) * (self._mean[s] - my) for w, s in zip(weights, sizes))
-        return max(sxy / sxx, 0.0)
 
 
 class PositionalAcceptance:
@@ -198,9 +210,9 @@ class PositionalAcceptance:
         # Positions 0 .. n_accepted were judged (the last of them rejected unless all passed);
         # later drafts were never looked at.
         n_judged = min(n_accepted + 1, n_drafted, len(self.judged))
-        for i in range(len(self.judged)):
-            self.judged[i] = self.judged[i] * DECAY + (1 if i < n_judged else 0)
-            self.accepted[i] = self.accepted[i] * DECAY + (1 if i < min(n_judged, n_accepted) else 0)
+        n_passed = min(n_judged, n_accepted)
+        self.judged = [j * DECAY + 1 if i < n_judged else j * DECAY for i, j in enumerate(self.judged)]
+        self.accepted = [a * DECAY + 1 if i < n_passed else a * DECAY for i, a in enumerate(self.accepted)]
 
     def fade(self, keep: float) -> None:
         """Keep only this fraction of the evidence (before a probe: its verdict is news)."""
@@ -271,13 +283,17 @@ def gated_rate(first: ConfidenceCalibration, later: Sequence[float], t_draft: fl
     # After a kept first token: j more drafts (j more draft passes), chosen for the best rate
     # of the continuation.
     cont = expected_tokens(later[: len(costs) - 3])
-    j = max(range(len(cont)), key=lambda j: cont[j] / ((1 + j) * t_draft + costs[j + 2]))
+    j, best_cont = 0, 0.0
+    for extra, expected in enumerate(cont):
+        if expected / ((1 + extra) * t_draft + costs[extra + 2]) > best_cont:
+            j, best_cont = extra, expected / ((1 + extra) * t_draft + costs[extra + 2])
     kept_extra = j * t_draft + costs[j + 2] - costs[1]  # over looking and a plain pass
-    bins = sorted(range(first.BINS), key=first.bin_rate, reverse=True)
+    rates = [first.bin_rate(b) for b in range(first.BINS)]
     tokens, seconds, best = 1.0, start_cost + t_draft + costs[1], 0.0  # nothing kept: look, then a plain pass
-    for b in bins:  # keep the most promising bins first; the best prefix is the gate
+    for b in sorted(range(first.BINS), key=rates.__getitem__, reverse=True):
+        # (the most promising bins first; the best prefix is the gate)
         f = first.first_seen[b] / total
-        tokens += f * first.bin_rate(b) * cont[j]
+        tokens += f * rates[b] * cont[j]
         seconds += f * kept_extra
         best = max(best, tokens / seconds)
     return best
@@ -347,14 +363,13 @@ class AdaptivePolicy(DraftJudge):
         self.plain_s: float | None = None
         self._previous_plain = False
 
-    STATE_VERSION = 1
+    STATE_VERSION = 2  # 2: pass costs as a line (pass_fit, pass_widest)
 
     def state(self) -> dict:
         """What the policy has learnt, as JSON-ready data (costs, acceptance, calibration)."""
         return {
             "version": self.STATE_VERSION,
-            "pass_mean": {str(n): t for n, t in self.pass_cost._mean.items()},
-            "pass_count": {str(n): c for n, c in self.pass_cost._count.items()},
+            **self.pass_cost.state(),
             "plain_s": self.plain_s,
             "sources": {
                 name: {
@@ -372,8 +387,8 @@ class AdaptivePolicy(DraftJudge):
         on data of another shape, leaving the policy as it was."""
         if state.get("version") != self.STATE_VERSION:
             raise ValueError("another version")
-        mean = {int(n): float(t) for n, t in state["pass_mean"].items()}
-        count = {int(n): int(c) for n, c in state["pass_count"].items()}
+        pass_cost = PassCost()
+        pass_cost.load(state)
         sources = {}
         for name, data in state["sources"].items():
             st = SourceState(PositionalAcceptance(self.max_draft))
@@ -389,7 +404,7 @@ class AdaptivePolicy(DraftJudge):
             st.probe_every = min(max(int(data.get("probe_every", PROBE_EVERY_MIN)), PROBE_EVERY_MIN), PROBE_EVERY_MAX)
             sources[str(name)] = st
         plain_s = state["plain_s"]
-        self.pass_cost._mean, self.pass_cost._count = mean, count
+        self.pass_cost = pass_cost
         self.plain_s = None if plain_s is None else float(plain_s)
         self._sources = sources
 
