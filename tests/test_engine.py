@@ -10,6 +10,8 @@ from specli.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafte
 from specli.engine import SpeculativeDecoder
 from specli.errors import IncompatibleDraftError, UsageError
 from specli.loading import ModelChoice, load as load_plan, plan
+from specli.policy import AdaptivePolicy
+from specli.sampling import GREEDY, SamplingParams
 
 N_VALUES = ["auto", 1, 2, 3, 5, 8, 12]
 PROMPTS = [
@@ -182,6 +184,32 @@ def test_a_draft_cache_catches_up_in_full_when_that_is_cheap_next_to_the_plain_s
     assert len(proposal.tokens) == 3
     assert model_dft.cached[: len(context)] == context  # all of it, no window
     assert proposal.first_s is None  # a catch-up is no measure of a step's start-up cost
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_confidence_steers_auto_in_greedy_decoding_only(perturbed, temperature):
+    model_tgt, model_dft = perturbed
+    asked = []
+
+    class Recording(AdaptivePolicy):
+        def keep(self, source, position, confidence):
+            asked.append(confidence)
+            return super().keep(source, position, confidence)
+
+    policy = Recording(8)
+    for _ in range(2):  # the plain steps that measure plain decoding
+        policy.observe(None, 0, 0, None, 0.0, 1, 1e-3)
+    drafter = DraftModelDrafter(model_dft)
+    prompt = model_tgt.tokenize(PROMPTS[0])
+    sampling = GREEDY if temperature == 0 else SamplingParams(temperature=temperature, seed=1)
+    drafter.begin(prompt, sampling)
+    proposal = drafter.propose(prompt, 4, policy)
+    if temperature == 0:
+        assert proposal.confidences is not None and len(asked) >= len(proposal.tokens) > 0
+        assert all(0 < c <= 1 for c in asked)
+    else:  # a sampled draft is judged on the acceptance per position alone
+        assert proposal.confidences is None and asked == [] and len(proposal.tokens) > 0
+        assert proposal.q_rows is not None and len(proposal.q_rows) == len(proposal.tokens)
 
 
 def test_context_full_stops_cleanly(pair_perturbed):

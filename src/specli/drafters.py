@@ -137,7 +137,10 @@ class DraftModelDrafter:
         self._context_len = len(view)
         tokens: list[int] = []
         q_rows: list[np.ndarray] | None = None if self.sampling.greedy else []
-        confidences: list[float] | None = [] if judge.wants_confidence else None
+        # The draft's confidence steers -n auto token by token in greedy decoding only. A sampled
+        # token's q (T 0.8, a90 pair) stopped proposals where drafting on paid: auto 1.34x
+        # against 1.53x from per-position acceptance alone (N=12: 1.55x).
+        confidences: list[float] | None = [] if judge.wants_confidence and q_rows is None else None
         one_token_s: list[float] = []
         t_round = time.perf_counter()
         first_s = None if caught_up else t_round - t_start
@@ -149,7 +152,7 @@ class DraftModelDrafter:
             else:
                 token, q = sample_from_logits(logits[-1], self.sampling, history, self.rng)
             if confidences is not None:
-                confidence = float(q[token]) if q is not None else _softmax_at(logits[-1], token)
+                confidence = _softmax_at(logits[-1], token)
                 if not judge.keep(self.name, len(tokens), confidence):
                     break
                 confidences.append(confidence)
