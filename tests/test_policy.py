@@ -311,3 +311,28 @@ def test_what_a_policy_learnt_survives_a_round_trip_through_json():
     assert fresh.limit("sim", 32) == trained.limit("sim", 32)  # no warm-up steps: it starts where it was
     with pytest.raises(ValueError):
         AdaptivePolicy(32).restore({**trained.state(), "version": 0})
+
+
+def test_a_probes_draft_timings_only_ever_lower_the_drafting_cost():
+    # A probe's draft passes run on caches left cold by the plain steps before it (15-40% slower
+    # than when drafting): counted as they are, they kept a pair that pays plain for good.
+    policy = AdaptivePolicy(32)
+    for _ in range(2):
+        policy.observe(None, 0, 0, None, 0.0, 1, 1.0)  # plain decoding: 1 s a pass
+    state = policy.source("sim")
+    state.t_draft, state.start_s = 0.2, 0.1
+    for _ in range(50):
+        state.acceptance.observe(4, 0)  # drafts refused: plain decoding, with re-probes
+    for slow in (True, False):
+        state.plain_streak, state.probe_every = 3, 4  # the next step is a probe
+        assert policy.limit("sim", 32) == 2 and policy._probing
+        token_s = 0.3 if slow else 0.1
+        policy.observe("sim", 2, 0, None, 0.5, 3, 1.2, token_s, 0.3 + token_s)
+        if slow:
+            assert (state.t_draft, state.start_s) == (0.2, 0.1)  # kept: the probe ran cold
+        else:
+            assert state.t_draft < 0.2  # the machine got faster: that counts
+    # Outside probes, a slower draft counts as before.
+    before = state.t_draft
+    policy.observe("sim", 3, 3, None, 0.9, 4, 1.5, 0.3, 0.4)
+    assert state.t_draft > before

@@ -534,10 +534,17 @@ class AdaptivePolicy(DraftJudge):
         state = self.source(source)
         if n_drafted or confidences is not None:  # the drafter ran (a draft model may only have looked)
             state.drafting_steps = min(state.drafting_steps + 1, WARM_UP_DRAFTS)
+        # A probe's draft passes follow a stretch of plain steps, on caches the draft model has
+        # not touched for a while: they ran 15-40% slower than when drafting, and their timings
+        # kept a pair that pays (a70) plain for good. So a probe's timings count only where
+        # they are faster than the record (the machine sped up, or the record holds a stall).
+        def timed(mean: float | None, seconds: float) -> float:
+            return running_time(mean, seconds) if not probe or mean is None or seconds < mean else mean
+
         if first_s is not None and state.t_draft is not None:
             # The first draft pass of a step runs on caches the target's pass has just used,
             # and the step asks the policy first: what that costs beyond a drafted token.
-            state.start_s = running_time(state.start_s, max(first_s - state.t_draft, 0.0))
+            state.start_s = timed(state.start_s, max(first_s - state.t_draft, 0.0))
         if n_drafted == 0:
             return
         if probe and n_accepted == n_drafted and self._surprising(state, confidences):
@@ -551,4 +558,4 @@ class AdaptivePolicy(DraftJudge):
         if confidences is not None and token_s is None and state.t_draft is not None:
             return  # a draft model's one-token proposal: no draft pass of its own was timed
         per_token = token_s if token_s is not None else draft_s / n_drafted
-        state.t_draft = running_time(state.t_draft, per_token)
+        state.t_draft = timed(state.t_draft, per_token)
