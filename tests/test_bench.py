@@ -138,6 +138,15 @@ def test_auto_sorts_after_target_only_and_is_compared_with_the_best_fixed_n():
     assert auto_row is auto and best_fixed.n == 2 and auto.speedup / best_fixed.speedup == pytest.approx(0.95)
 
 
+def test_each_configuration_is_held_against_the_best_fixed_n_of_its_worst_scenario():
+    rows = [
+        row("a", 0, 1.0), row("a", "auto", 1.8), row("a", 2, 1.5), row("a", 5, 2.0),
+        row("b", 0, 1.0), row("b", "auto", 1.1), row("b", 2, 1.2), row("b", 5, 0.8),
+    ]  # fmt: skip
+    worst = bench.worst_against_best(rows)
+    assert worst == pytest.approx({"auto": 0.9, 2: 0.75, 5: 0.8 / 1.2})
+
+
 def test_best_overall_needs_an_n_measured_everywhere():
     assert bench.best_overall([row("a", 0, 1.0)]) is None
 

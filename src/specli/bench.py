@@ -341,6 +341,20 @@ def auto_summary(rows: list[Row]) -> dict[str, tuple[Row, Row | None]]:
     return {row.scenario: (row, best.get(row.scenario)) for row in rows if row.n == AUTO}
 
 
+def worst_against_best(rows: list[Row]) -> dict[int | str, float]:
+    """Per configuration (auto and each fixed N measured in every scenario): its lowest
+    speedup / the best fixed N's speedup over the scenarios. A fixed N's best includes itself,
+    so it reads 1.0 where it is the best; its figure shows how far one set of settings falls
+    behind a best picked after the fact, from a maximum of noisy figures, in its worst scenario,
+    which is what auto is held against."""
+    best = best_per_scenario(rows)
+    ratios: dict[int | str, list[float]] = {}
+    for row in rows:
+        if row.n and row.scenario in best and row.speedup is not None:
+            ratios.setdefault(row.n, []).append(row.speedup / best[row.scenario].speedup)
+    return {n: min(r) for n, r in ratios.items() if len(r) == len(best)}
+
+
 def verdict(best: Row | None, *, lookup: bool = False) -> tuple[str, str]:
     """("yes" | "maybe" | "no", why) for a scenario, from its best speculative row:
     yes at a best speedup >= 1.2, maybe from 1.0 up to 1.2, no below 1.0. `lookup` words the

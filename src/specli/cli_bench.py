@@ -218,6 +218,11 @@ def _report(rows: list[bench.Row], the_plan, ns: list[int], repeat: int) -> None
             against = f", {auto.speedup / best_fixed.speedup:.2f} of the best fixed N={best_fixed.n} ({best_fixed.speedup:.2f}x)"
         out.print(f"{scenario}: auto {_fmt(auto.speedup, '.2f', 'x')} target-only{against}, "
                   f"{_fmt(auto.mean_draft_length, '.1f')} drafts per pass")  # fmt: skip
+    worst = bench.worst_against_best(rows)
+    if bench.AUTO in worst and len(worst) > 1:
+        fixed = ", ".join(f"N={n} {r:.2f}" for n, r in worst.items() if n != bench.AUTO)
+        out.print(f"Worst scenario against the best fixed N: auto {worst[bench.AUTO]:.2f}; {fixed} "
+                  "(a fixed N is held against a best that includes itself)")  # fmt: skip
     for scenario in dict.fromkeys(row.scenario for row in rows):
         word, why = bench.verdict(best.get(scenario), lookup=the_plan.mode == "lookup")
         out.print(f"{scenario}: use speculative decoding? {word} — {why}")
