@@ -127,6 +127,7 @@ class PassCost:
             self._widest = max(self._widest * COST_FORGET, n_tokens)
 
     def state(self) -> dict:
+        """What was measured, as JSON-ready data (AdaptivePolicy.state embeds it)."""
         return {"pass_mean": {str(n): t for n, t in self._mean.items()},
                 "pass_count": {str(n): c for n, c in self._count.items()},
                 "pass_fit": list(self._fit), "pass_widest": self._widest}  # fmt: skip
