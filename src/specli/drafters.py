@@ -116,13 +116,16 @@ class DraftModelDrafter:
         """The part of the context the draft model conditions on (see the class docstring)."""
         view = context if self._offset == 0 else [*context[:1], *context[self._offset :]]
         behind = len(view) - len(self.model_dft.cached)
-        affordable = self._batch_s is not None and behind * self._batch_s <= self.CATCH_UP_SHARE * (
-            time.perf_counter() - self._last_call
-        )
-        if behind > self.CATCH_UP_LIMIT and not affordable and len(context) > self.CATCH_UP_LIMIT + 1:
+        if behind > self.CATCH_UP_LIMIT and len(context) > self.CATCH_UP_LIMIT + 1 and not self._affordable(behind):
             self._offset = len(context) - self.CATCH_UP_LIMIT
             view = [*context[:1], *context[self._offset :]]
         return view
+
+    def _affordable(self, behind: int) -> bool:
+        """Whether a batch pass over `behind` tokens costs at most CATCH_UP_SHARE of the time
+        since the last proposal (from the measured batch speed)."""
+        elapsed = time.perf_counter() - self._last_call
+        return self._batch_s is not None and behind * self._batch_s <= self.CATCH_UP_SHARE * elapsed
 
     def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
         t_start = time.perf_counter()

@@ -110,37 +110,34 @@ class PassCost:
 
     def __init__(self) -> None:
         self._mean: dict[int, float] = {}  # per size: running mean (T(1) is read from it)
-        self._count: dict[int, int] = {}
         self._fit = [0.0] * 5  # wide passes, forgetting-weighted: sum w, w n, w n^2, w t, w n t
         self._widest = 0.0  # the widest pass measured lately (fades back like the fit)
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         assert n_tokens >= 1 and seconds >= 0
         self._mean[n_tokens] = running_time(self._mean.get(n_tokens), seconds)
-        self._count[n_tokens] = self._count.get(n_tokens, 0) + 1
         if n_tokens >= 2:
             if self._fit[0] >= 3:
                 # One pass stalled by another process must not steer the line for dozens.
-                seconds = min(seconds, COST_CLIP * self._line()(n_tokens))
+                at_0, slope = self._line()
+                seconds = min(seconds, COST_CLIP * (at_0 + slope * n_tokens))
             w, wn, wnn, wt, wnt = (x * COST_FORGET for x in self._fit)
             self._fit = [w + 1, wn + n_tokens, wnn + n_tokens**2, wt + seconds, wnt + n_tokens * seconds]
             self._widest = max(self._widest * COST_FORGET, n_tokens)
 
     def state(self) -> dict:
         """What was measured, as JSON-ready data (AdaptivePolicy.state embeds it)."""
-        return {"pass_mean": {str(n): t for n, t in self._mean.items()},
-                "pass_count": {str(n): c for n, c in self._count.items()},
-                "pass_fit": list(self._fit), "pass_widest": self._widest}  # fmt: skip
+        return {"pass_mean": {str(n): t for n, t in self._mean.items()}, "pass_fit": list(self._fit),
+                "pass_widest": self._widest}  # fmt: skip
 
     def load(self, state: dict) -> None:
         """Start from what another run measured (`state()`); raises KeyError/ValueError/TypeError
         on data of another shape."""
         mean = {int(n): float(t) for n, t in state["pass_mean"].items()}
-        count = {int(n): int(c) for n, c in state["pass_count"].items()}
         fit = [float(x) for x in state["pass_fit"]]
-        if len(fit) != 5 or not set(mean) == set(count):
+        if len(fit) != 5:
             raise ValueError("another shape")
-        self._mean, self._count, self._fit, self._widest = mean, count, fit, float(state["pass_widest"])
+        self._mean, self._fit, self._widest = mean, fit, float(state["pass_widest"])
 
     @property
     def measured(self) -> bool:
@@ -161,10 +158,11 @@ class PassCost:
             return max((mean_t - self._mean[1]) / (mean_n - 1), 0.0)
         return self._prior_slope()
 
-    def _line(self) -> Callable[[int], float]:
+    def _line(self) -> tuple[float, float]:
+        """(T(0), slope) of the wide passes' line: T(n) = T(0) + slope n."""
         w, wn, _, wt, _ = self._fit
-        mean_n, mean_t, slope = wn / w, wt / w, self._slope()
-        return lambda n: mean_t + slope * (n - mean_n)
+        slope = self._slope()
+        return wt / w - slope * wn / w, slope
 
     def table(self, n_top: int) -> list[float]:
         """[T(0) = 0, T(1), ..., T(n_top)]: every size a step may ask about, in one pass; never
@@ -175,9 +173,7 @@ class PassCost:
         if self._fit[0] < 1e-9:  # one-token passes only: T(1) and the prior slope
             t1 = self._mean.get(1, min(self._mean.values()))
             return [0.0] + [t1 + prior * (n - 1) for n in range(1, n_top + 1)]
-        w, wn, _, wt, _ = self._fit
-        slope = self._slope()
-        at_0 = wt / w - slope * wn / w  # the line's T(0)
+        at_0, slope = self._line()
         widest = max(2, round(self._widest))
         up = min(slope, prior)
         previous = self._mean[1] if 1 in self._mean else max(at_0 + slope, 1e-9)
@@ -286,8 +282,9 @@ def gated_rate(first: ConfidenceCalibration, later: Sequence[float], t_draft: fl
     cont = expected_tokens(later[: len(costs) - 3])
     j, best_cont = 0, 0.0
     for extra, expected in enumerate(cont):
-        if expected / ((1 + extra) * t_draft + costs[extra + 2]) > best_cont:
-            j, best_cont = extra, expected / ((1 + extra) * t_draft + costs[extra + 2])
+        rate = expected / ((1 + extra) * t_draft + costs[extra + 2])
+        if rate > best_cont:
+            j, best_cont = extra, rate
     kept_extra = j * t_draft + costs[j + 2] - costs[1]  # over looking and a plain pass
     rates = [first.bin_rate(b) for b in range(first.BINS)]
     tokens, seconds, best = 1.0, start_cost + t_draft + costs[1], 0.0  # nothing kept: look, then a plain pass
