@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from specli.policy import (
-    PROBE_EVERY_MAX, AdaptivePolicy, ConfidenceCalibration, PassCost, PositionalAcceptance, best_length,
-    expected_tokens,
+    PROBE_EVERY_MAX, AdaptivePolicy, ConfidenceCalibration, ContextSlope, PassCost, PositionalAcceptance,
+    best_length, expected_tokens,
 )  # fmt: skip
 
 FLAT = lambda n: 1.0  # noqa: E731  a GPU-like target: a pass costs the same for 1 or 33 tokens
@@ -117,6 +117,86 @@ def test_a_size_measured_in_a_slow_moment_follows_the_machine_when_it_speeds_up(
     # The fresh line says 12 at 9 tokens; past the passes measured lately the estimate rises
     # optimistically, so 9 is tried again and judged on what it costs now.
     assert cost(7) <= cost(9) <= 12.0 * 1.05
+
+
+def context_cost(n: int, context: int) -> float:
+    """A CPU-like target whose attention makes up much of a pass: ms for n tokens after `context`
+    (like the a70 target's: one-token passes grow faster with the context than wide ones do per
+    token, T(6) doubles between 30 and 1000 tokens of context)."""
+    if n == 1:
+        return 1.0 + 0.0008 * context
+    return 1.5 + 0.3 * n + 0.0005 * n * context
+
+
+def replies(n_replies: int, length: int = 200, prompt: int = 30):
+    """(pass size, context) of the passes of replies that each start on a short prompt and
+    grow one to nine tokens a pass."""
+    for r in range(n_replies):
+        context = prompt
+        for i in range(length):
+            n = 1 + (i * 7 + r) % 9
+            yield n, context
+            context += n
+
+
+def test_context_slope_recovers_what_a_token_of_context_adds_to_a_pass():
+    wide, one = ContextSlope(), ContextSlope()
+    noise = np.random.default_rng(0)
+    for n, context in replies(4):
+        seconds = context_cost(n, context) * (1 + 0.05 * noise.standard_normal())
+        (one if n == 1 else wide).observe(n, seconds, context)
+    assert wide.slope == pytest.approx(0.0005, rel=0.1)
+    assert one.slope == pytest.approx(0.0008, rel=0.15)
+    # Passes all after the same context say nothing about it: the slope stays at 0.
+    flat = ContextSlope()
+    for n in (2, 5, 9) * 50:
+        flat.observe(n, 1.0 + 0.3 * n, 100)
+    assert flat.slope == 0.0
+
+
+def test_pass_costs_measured_late_in_a_reply_price_the_next_short_one():
+    # Costs learnt over long replies (context up to ~1000 tokens) must price a pass at the start
+    # of the next reply (30 tokens of context) as it costs there, not as at the end of the last.
+    cost = PassCost()
+    for n, context in replies(3):
+        cost.observe(n, context_cost(n, context), context=context)
+    for context in (30, 1000):
+        table = cost.table(12, context)
+        for n in (1, 2, 6, 9):  # (past the widest pass measured, 9, the estimate is optimistic)
+            assert table[n] == pytest.approx(context_cost(n, context), rel=0.1), (n, context)
+    fresh = PassCost()
+    fresh.load(json.loads(json.dumps(cost.state())))
+    assert fresh.table(33, 500) == pytest.approx(cost.table(33, 500), rel=1e-12)
+    # A cold pass (a draft model's first after plain steps) neither raises the line nor the slope.
+    slope, before = cost.context_wide.slope, cost.table(12, 500)[6]
+    cost.observe(6, 3 * context_cost(6, 500), cold=True, context=500)
+    assert cost.table(12, 500)[6] <= before and cost.context_wide.slope == slope
+
+
+def test_a_new_reply_is_judged_afresh_on_its_short_context():
+    # Drafting pays early in a reply (short context) and not late (the wide passes' attention
+    # grows with the context): each reply should start drafting at once, not wait plain for
+    # the next re-probe as it did when the decision taken at the end of the last reply held.
+    policy = AdaptivePolicy(32)
+    rng = np.random.default_rng(0)
+    cost = lambda n, context: 1.0 + 0.3 * (n - 1) + 0.006 * n * context  # noqa: E731
+    first_draft = []
+    for reply in range(6):
+        context, steps = 30, 0
+        while context < 700:
+            k = policy.limit("sim", 32, context)
+            n_accepted = 0
+            while n_accepted < k and rng.random() < 0.8:
+                n_accepted += 1
+            policy.observe("sim" if k else None, k, n_accepted, None, 0.0, k + 1, cost(k + 1, context), None, None,
+                           context)  # fmt: skip
+            if k and len(first_draft) == reply:
+                first_draft.append(steps)
+            context += n_accepted + 1
+            steps += 1
+        assert policy.limit("sim", 32, context) == 0  # late in a reply: plain decoding
+        policy._probing = False
+    assert len(first_draft) == 6 and max(first_draft[1:]) <= 1, first_draft
 
 
 def test_pass_costs_learnt_in_one_run_start_the_next():
@@ -313,9 +393,10 @@ def test_what_a_policy_learnt_survives_a_round_trip_through_json():
         AdaptivePolicy(32).restore({**trained.state(), "version": 0})
 
 
-def test_a_probes_draft_timings_only_ever_lower_the_drafting_cost():
-    # A probe's draft passes run on caches left cold by the plain steps before it (15-40% slower
-    # than when drafting): counted as they are, they kept a pair that pays plain for good.
+def test_draft_timings_after_plain_steps_only_ever_lower_the_drafting_cost():
+    # Draft passes after plain steps (a probe's, or the first when the gate reopens) run on
+    # caches left cold by the plain passes (15-40% slower than in a run of drafting steps):
+    # counted as they are, they kept a pair that pays plain for good.
     policy = AdaptivePolicy(32)
     for _ in range(2):
         policy.observe(None, 0, 0, None, 0.0, 1, 1.0)  # plain decoding: 1 s a pass
@@ -332,7 +413,12 @@ def test_a_probes_draft_timings_only_ever_lower_the_drafting_cost():
             assert (state.t_draft, state.start_s) == (0.2, 0.1)  # kept: the probe ran cold
         else:
             assert state.t_draft < 0.2  # the machine got faster: that counts
-    # Outside probes, a slower draft counts as before.
+    # In a run of drafting steps, a slower draft counts as before.
     before = state.t_draft
     policy.observe("sim", 3, 3, None, 0.9, 4, 1.5, 0.3, 0.4)
     assert state.t_draft > before
+    # The first drafting step after a plain one (not a probe: the gate reopened) runs cold too.
+    before = state.t_draft
+    policy.observe(None, 0, 0, None, 0.0, 1, 1.0)
+    policy.observe("sim", 3, 3, None, 1.5, 4, 1.5, 0.5, 0.6)
+    assert state.t_draft == before

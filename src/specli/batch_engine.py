@@ -219,7 +219,7 @@ class ParallelRunner:
                 share = pass_s * len(requests[s]) / n_pass
                 slot.decoder.judge.observe(slot.proposal.source, len(draft), verdict.n_accepted, slot.proposal.confidences,
                                            slot.draft_s, len(requests[s]), share, slot.proposal.token_s,
-                                           slot.proposal.first_s)  # fmt: skip
+                                           slot.proposal.first_s, len(slot.context))  # fmt: skip
             self.seqs.truncate(s, len(slot.context) + verdict.n_accepted)
             if self.drafters[s] is not None and draft:
                 self.drafters[s].update(len(draft), verdict.n_accepted)

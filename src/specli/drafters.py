@@ -129,7 +129,7 @@ class DraftModelDrafter:
 
     def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
         t_start = time.perf_counter()
-        n_max = judge.limit(self.name, n_max) if n_max > 0 else 0
+        n_max = judge.limit(self.name, n_max, len(context)) if n_max > 0 else 0
         if n_max <= 0:
             return _empty(self.name)
         view = self._view(context)
@@ -238,7 +238,7 @@ class PromptLookupDrafter:
             start = self._latest[n].get(tuple(tokens[-n:]))
             if start is not None:
                 # Copying is free; only the target's wider pass costs: the judge sizes it.
-                n_max = judge.limit(self.name, n_max)
+                n_max = judge.limit(self.name, n_max, len(context))
                 return Proposal(_continue_periodically(tokens, start + n, n_max) if n_max > 0 else [], source=self.name)
         return _empty(self.name)
 

@@ -236,7 +236,7 @@ class SpeculativeDecoder:
             if self.adaptive:
                 self.judge.observe(proposal.source, len(draft), verdict.n_accepted, proposal.confidences,
                                    t_verify - t_draft, len(draft) + 1, t_done - t_verify, proposal.token_s,
-                                   proposal.first_s)  # fmt: skip
+                                   proposal.first_s, len(context))  # fmt: skip
 
             step = gen.record(verdict.tokens, verdict.n_accepted, len(draft), model_tgt.is_eog, proposal.source)
             context.extend(verdict.tokens)

@@ -2,7 +2,9 @@
 
 The model, in plain words:
 - cost: a target pass over n tokens takes T(n) seconds (on a CPU it grows with n: 13.8 ms for
-  1 token, 92 ms for 17 on Gemma 270M; on a GPU it is nearly flat); drafting one token costs
+  1 token, 92 ms for 17 on Gemma 270M; on a GPU it is nearly flat), plus what attention over
+  the context adds, B n L after L tokens (a large part of a small model's pass on a CPU, so
+  costs are learnt as at no context and priced at the step's own); drafting one token costs
   t_draft (a draft model's forward pass and the loop's work on the token; almost nothing for
   prompt lookup), and a step that drafts pays `start` before its first token (the draft
   model's first pass runs on caches the target's pass has just used).
@@ -16,7 +18,10 @@ The model, in plain words:
   pass the target runs slower, its weights evicted from the CPU caches), so a policy's first two
   steps are plain. When drafting does not pay, the loop falls back to plain decoding and
   re-probes now and then with a short draft, so that a change in the text (a code block
-  starting) is noticed.
+  starting) is noticed; a new reply, on a shorter context, is judged afresh.
+- likewise a draft model's first step after plain decoding runs on caches the plain passes
+  filled: its draft and target timings count only where faster than a run of drafting steps
+  measured.
 - a draft model's tokens come with its confidence: whether to look at the first draft token at
   all is judged over the recent mix of confidences (`gated_rate`), and each token is kept only
   while the pass it widens is expected to pay (`AdaptivePolicy.keep`); when the best plan ends
@@ -46,6 +51,9 @@ COST_EMA = 0.2  # weight of the newest timing in a pass-size's running mean (whe
 COST_EMA_DOWN = 0.5  # ... when faster than the mean
 COST_FORGET = 0.95  # weight of a wide pass in the cost line per newer pass (about 20 passes)
 COST_CLIP = 1.5  # a wide pass counts at most this times the line's estimate
+CONTEXT_FORGET = 0.995  # weight of a pass in the context slope per newer pass (about 200 passes)
+CONTEXT_PRIOR = 4 * 100.0**2  # the slope leans to 0 until passes' n * context differ this much
+CONTEXT_CLIP = 2.0  # a pass counts at most this times its estimate (looser: the slope is being learnt)
 PROBE_LENGTH = 2
 PROBE_EVERY_MIN = 4  # plain steps before the first re-probe
 PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this
@@ -92,6 +100,76 @@ def best_length(accept: Sequence[float], t_draft: float, pass_cost: Callable[[in
     return best_k
 
 
+class ContextSlope:
+    """B, what a target pass costs per token per token of context before it: T(n, L) = T(n, 0)
+    + B n L. Attention reads the whole cache for every token of a pass; on a CPU that is a
+    large part of a small model's pass (the a70 target: T(6) 4.5 ms at 30 tokens of context,
+    6.2 ms at 400; T(1) 1.7 and 2.2 ms). Costs measured at one context length are otherwise
+    carried to another: the line fitted at the end of a long reply priced the next prompt's
+    short-context drafting 30% too high, next to plain passes timed at the short context, and
+    held -n auto in plain decoding where a fixed N paid 1.1x.
+
+    Estimated from the passes themselves: within each pass size, timing against n L, pooled
+    over sizes (least squares with one intercept per size), recent passes counting most, and
+    leaning to B = 0 until the contexts seen differ enough to tell.
+    """
+
+    def __init__(self) -> None:
+        self._sizes: dict[int, list[float]] = {}  # per size: [w, w x, w x^2, w t, w x t, clock] (x = n L)
+        self._num = 0.0  # sum over sizes of the centred w x t
+        self._den = 0.0  # sum over sizes of the centred w x^2
+        self._clock = 0  # passes seen
+
+    @staticmethod
+    def _centred(sums: list[float]) -> tuple[float, float]:
+        w, wx, wxx, wt, wxt = sums[:5]
+        return (wxt - wx * wt / w, wxx - wx * wx / w) if w > 0 else (0.0, 0.0)
+
+    def observe(self, n_tokens: int, seconds: float, context: int) -> None:
+        x = float(n_tokens * context)
+        self._clock += 1
+        self._num *= CONTEXT_FORGET
+        self._den *= CONTEXT_FORGET
+        sums = self._sizes.get(n_tokens)
+        if sums is None:
+            sums = self._sizes[n_tokens] = [0.0] * 5 + [self._clock]
+        else:
+            fade = CONTEXT_FORGET ** (self._clock - sums[5])
+            sums[:5] = [v * fade for v in sums[:5]]
+            sums[5] = self._clock
+            num, den = self._centred(sums)
+            self._num -= num
+            self._den -= den
+            if sums[0] >= 3:  # one stalled pass must not tilt the slope for hundreds
+                predicted = sums[3] / sums[0] + self.slope * (x - sums[1] / sums[0])
+                seconds = min(seconds, CONTEXT_CLIP * predicted)
+        w, wx, wxx, wt, wxt = sums[:5]
+        sums[:5] = [w + 1, wx + x, wxx + x * x, wt + seconds, wxt + x * seconds]
+        num, den = self._centred(sums)
+        self._num += num
+        self._den += den
+
+    @property
+    def slope(self) -> float:
+        """B in seconds per token per token of context (never negative)."""
+        return max(self._num / (max(self._den, 0.0) + CONTEXT_PRIOR), 0.0)
+
+    def state(self) -> dict:
+        return {"context_sizes": {str(n): list(v) for n, v in self._sizes.items()}, "context_clock": self._clock}
+
+    def load(self, state: dict) -> None:
+        sizes = {int(n): [float(x) for x in v] for n, v in state["context_sizes"].items()}
+        if any(len(v) != 6 for v in sizes.values()):
+            raise ValueError("another shape")
+        self._sizes, self._clock = sizes, int(state["context_clock"])
+        self._num = self._den = 0.0
+        for sums in sizes.values():
+            fade = CONTEXT_FORGET ** (self._clock - sums[5])
+            num, den = self._centred(sums)
+            self._num += num * fade
+            self._den += den * fade
+
+
 class PassCost:
     """T(n), the seconds of a target pass over n tokens, learnt from timed passes.
 
@@ -109,26 +187,50 @@ class PassCost:
     """
 
     def __init__(self) -> None:
+        # Timings are kept as at no context (less B n L, see ContextSlope), the table adds it back.
         self._mean: dict[int, float] = {}  # per size: running mean (T(1) is read from it)
         self._fit = [0.0] * 5  # wide passes, forgetting-weighted: sum w, w n, w n^2, w t, w n t
         self._widest = 0.0  # the widest pass measured lately (fades back like the fit)
+        # One-token passes grow faster with the context than wide ones do per token (the a70
+        # target in the loop: 1.2-1.6 us against 0.7-0.8 us per token per token of context).
+        self.context_one, self.context_wide = ContextSlope(), ContextSlope()
 
-    def observe(self, n_tokens: int, seconds: float) -> None:
+    def observe(self, n_tokens: int, seconds: float, cold: bool = False, context: int = 0) -> None:
+        """A pass over n_tokens after `context` tokens took `seconds`. `cold`: it ran in another
+        regime than the one its size is priced for (a wide pass after a step that ran no draft
+        model, a one-token pass other than plain after plain): it counts at most as the line's
+        estimate, and not towards the context slope (such passes come late in a reply, where
+        drafting stops paying, and would pass their slowness off as the context's)."""
         assert n_tokens >= 1 and seconds >= 0
+        if not cold:
+            self._context_slope(n_tokens).observe(n_tokens, seconds, context)
+        seconds = self.at_no_context(n_tokens, seconds, context)
         self._mean[n_tokens] = running_time(self._mean.get(n_tokens), seconds)
         if n_tokens >= 2:
             if self._fit[0] >= 3:
                 # One pass stalled by another process must not steer the line for dozens.
                 at_0, slope = self._line()
-                seconds = min(seconds, COST_CLIP * (at_0 + slope * n_tokens))
+                seconds = min(seconds, (1.0 if cold else COST_CLIP) * (at_0 + slope * n_tokens))
             w, wn, wnn, wt, wnt = (x * COST_FORGET for x in self._fit)
             self._fit = [w + 1, wn + n_tokens, wnn + n_tokens**2, wt + seconds, wnt + n_tokens * seconds]
             self._widest = max(self._widest * COST_FORGET, n_tokens)
 
+    def _context_slope(self, n_tokens: int) -> ContextSlope:
+        return self.context_one if n_tokens == 1 else self.context_wide
+
+    def at_no_context(self, n_tokens: int, seconds: float, context: int) -> float:
+        """A timing taken after `context` tokens, as it would be with none (at least a tenth of it)."""
+        return max(seconds - self._context_slope(n_tokens).slope * n_tokens * context, 0.1 * seconds)
+
+    def context_cost(self, n_tokens: int, context: int) -> float:
+        """What `context` tokens before it add to a pass over n_tokens."""
+        return self._context_slope(n_tokens).slope * n_tokens * context
+
     def state(self) -> dict:
         """What was measured, as JSON-ready data (AdaptivePolicy.state embeds it)."""
         return {"pass_mean": {str(n): t for n, t in self._mean.items()}, "pass_fit": list(self._fit),
-                "pass_widest": self._widest}  # fmt: skip
+                "pass_widest": self._widest, "context_one": self.context_one.state(),
+                "context_wide": self.context_wide.state()}  # fmt: skip
 
     def load(self, state: dict) -> None:
         """Start from what another run measured (`state()`); raises KeyError/ValueError/TypeError
@@ -137,7 +239,11 @@ class PassCost:
         fit = [float(x) for x in state["pass_fit"]]
         if len(fit) != 5:
             raise ValueError("another shape")
+        one, wide = ContextSlope(), ContextSlope()
+        one.load(state["context_one"])
+        wide.load(state["context_wide"])
         self._mean, self._fit, self._widest = mean, fit, float(state["pass_widest"])
+        self.context_one, self.context_wide = one, wide
 
     @property
     def measured(self) -> bool:
@@ -164,24 +270,26 @@ class PassCost:
         slope = self._slope()
         return wt / w - slope * wn / w, slope
 
-    def table(self, n_top: int) -> list[float]:
-        """[T(0) = 0, T(1), ..., T(n_top)]: every size a step may ask about, in one pass; never
-        decreasing in n."""
+    def table(self, n_top: int, context: int = 0) -> list[float]:
+        """[T(0) = 0, T(1), ..., T(n_top)] for passes after `context` tokens: every size a step may
+        ask about, in one go; never decreasing in n."""
         if not self._mean:
             return [0.0] + [1.0 + PRIOR_SLOPE * (n - 1) for n in range(1, n_top + 1)]  # relative units
         prior = self._prior_slope()
+        per_token = self.context_wide.slope * context  # what the context adds per token of a wide pass
+        one = self.context_one.slope * context
         if self._fit[0] < 1e-9:  # one-token passes only: T(1) and the prior slope
             t1 = self._mean.get(1, min(self._mean.values()))
-            return [0.0] + [t1 + prior * (n - 1) for n in range(1, n_top + 1)]
+            return [0.0, t1 + one] + [t1 + prior * (n - 1) + per_token * n for n in range(2, n_top + 1)]
         at_0, slope = self._line()
         widest = max(2, round(self._widest))
         up = min(slope, prior)
         previous = self._mean[1] if 1 in self._mean else max(at_0 + slope, 1e-9)
-        out = [0.0, previous]
+        out = [0.0, previous + one]
         for n in range(2, n_top + 1):  # (a hot loop: -n auto plans with it every step)
             t = at_0 + slope * n if n <= widest else at_0 + slope * widest + up * (n - widest)
             previous = t if t > previous else previous
-            out.append(previous)
+            out.append(previous + per_token * n)
         return out
 
     def _prior_slope(self) -> float:
@@ -308,6 +416,8 @@ class SourceState:
     plain_streak: int = 0  # steps in a row this source was not worth drafting
     drafting_steps: int = 0  # steps that ran the drafter (counted up to WARM_UP_DRAFTS)
     probe_every: int = PROBE_EVERY_MIN
+    judged_at: int = 0  # the context length at the last decision on drafting
+    runs_model: bool = False  # it times its drafts (a draft model, whose passes evict the target's weights)
 
 
 class DraftJudge:
@@ -315,8 +425,9 @@ class DraftJudge:
 
     wants_confidence = False  # whether `keep` is to be asked (it needs the draft's probabilities)
 
-    def limit(self, source: str, n_max: int) -> int:
-        """How many tokens of `source` are worth proposing now (0 = none), at most n_max."""
+    def limit(self, source: str, n_max: int, context_len: int = 0) -> int:
+        """How many tokens of `source` are worth proposing now (0 = none), at most n_max, the
+        context being context_len tokens long."""
         return n_max
 
     def keep(self, source: str, position: int, confidence: float) -> bool:
@@ -360,8 +471,9 @@ class AdaptivePolicy(DraftJudge):
         # cost of plain decoding is measured on its own: a plain pass after a plain pass.
         self.plain_s: float | None = None
         self._previous_plain = False
+        self._previous_drafter: str | None = None  # the source whose drafter ran at the last step
 
-    STATE_VERSION = 2  # 2: pass costs as a line (pass_fit, pass_widest)
+    STATE_VERSION = 3  # 2: pass costs as a line (pass_fit, pass_widest); 3: and the context slope
 
     def state(self) -> dict:
         """What the policy has learnt, as JSON-ready data (costs, acceptance, calibration)."""
@@ -416,28 +528,39 @@ class AdaptivePolicy(DraftJudge):
             return state.t_draft
         return PRIOR_DRAFT_COST * self.pass_cost(1)
 
-    def limit(self, source: str, n_max: int) -> int:
+    def _plain_at(self, context_len: int) -> float:
+        """What a plain pass costs after context_len tokens (plain_s is kept as at none)."""
+        assert self.plain_s is not None
+        return self.plain_s + self.pass_cost.context_cost(1, context_len)
+
+    def limit(self, source: str, n_max: int, context_len: int = 0) -> int:
         state = self.source(source)
         self._expected, self._all_accepted, self._probing = 1.0, 1.0, False
         if self.plain_s is None:
             return 0  # the first two steps of a policy's life measure plain decoding
+        if state.plain_streak and context_len < state.judged_at:
+            # A new reply, on a shorter context than the one drafting was judged on: passes cost
+            # less there, wide ones most (ContextSlope). Judge afresh (free: no probe).
+            state.plain_streak = 0
         if 0 < state.plain_streak < state.probe_every - 1:
             # Drafting did not pay at the last decision, and acceptance estimates only change
             # when something is drafted: stay plain, at no cost, until the next probe is due.
             state.plain_streak += 1
             return 0
         n_max = min(n_max, self.max_draft)
-        self._costs = self.pass_cost.table(n_max + 1)
+        state.judged_at = context_len
+        self._costs = self.pass_cost.table(n_max + 1, context_len)
         self._rates = state.acceptance.rates(n_max)
         self._t_draft_now = self._t_draft(state)
+        plain = self._plain_at(context_len)
         gated = None
         if state.t_draft is not None and self._has_confidence(state):
             gated = gated_rate(state.calibration, self._rates[1:], self._t_draft_now, self._costs, state.start_s or 0.0)
         if gated is not None:
             # A draft model: whether to look at its first token at all; `keep` gates the rest.
-            k = n_max if gated > 1 / self.plain_s or state.drafting_steps < WARM_UP_DRAFTS else 0
+            k = n_max if gated > 1 / plain or state.drafting_steps < WARM_UP_DRAFTS else 0
         else:
-            k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__, self.plain_s, state.start_s or 0.0)
+            k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__, plain, state.start_s or 0.0)
         if k > 0:
             state.plain_streak = 0  # (the probe interval shrinks back when a draft pays: observe)
             return k
@@ -516,28 +639,37 @@ class AdaptivePolicy(DraftJudge):
 
     def observe(self, source: str | None, n_drafted: int, n_accepted: int, confidences: Sequence[float] | None,
                 draft_s: float, pass_tokens: int, pass_s: float, token_s: float | None = None,
-                first_s: float | None = None) -> None:  # fmt: skip
+                first_s: float | None = None, context_len: int = 0) -> None:  # fmt: skip
         """One step's facts: what was drafted and accepted, what drafting cost (draft_s in all;
         when the drafter timed them, token_s per drafted token and first_s until its first
-        token) and what the pass cost."""
-        self.pass_cost.observe(pass_tokens, pass_s)
+        token) and what the pass cost (after context_len tokens)."""
+        probe, self._probing = self._probing, False
+        state = None if source is None else self.source(source)
+        ran = state is not None and (n_drafted > 0 or confidences is not None)  # (a draft model may only have looked)
+        warm, self._previous_drafter = ran and self._previous_drafter == source, source if ran else None
+        if state is not None and (token_s is not None or first_s is not None):
+            state.runs_model = True
         # Plain: nothing drafted, nor a draft model run only to look (confidences == []).
         plain = n_drafted == 0 and pass_tokens == 1 and confidences is None
-        if plain and self._previous_plain:
-            self.plain_s = running_time(self.plain_s, pass_s)
+        steady_plain = plain and self._previous_plain
+        cold = not steady_plain if pass_tokens == 1 else (ran and not warm and state.runs_model)
+        self.pass_cost.observe(pass_tokens, pass_s, cold, context_len)
+        if steady_plain:
+            self.plain_s = running_time(self.plain_s, self.pass_cost.at_no_context(1, pass_s, context_len))
         self._previous_plain = plain
-        probe, self._probing = self._probing, False
-        if source is None:
+        if state is None:
             return
-        state = self.source(source)
-        if n_drafted or confidences is not None:  # the drafter ran (a draft model may only have looked)
+        if ran:
             state.drafting_steps = min(state.drafting_steps + 1, WARM_UP_DRAFTS)
-        # A probe's draft passes follow a stretch of plain steps, on caches the draft model has
-        # not touched for a while: they ran 15-40% slower than when drafting, and their timings
-        # kept a pair that pays (a70) plain for good. So a probe's timings count only where
-        # they are faster than the record (the machine sped up, or the record holds a stall).
+        # A drafter that did not run at the last step runs on caches the target's plain passes
+        # have filled: a70's draft passes took 360 us after plain steps against 280 us in a run
+        # of drafting steps. Those timings made drafting look dearer than it is when done step
+        # after step, which is what the policy weighs against plain decoding (itself measured
+        # plain after plain), and held a70 in plain decoding. So timings of a step that
+        # follows a step without this drafter count only where faster than the record (the
+        # machine sped up, or the record holds a stall). A probe always follows plain steps.
         def timed(mean: float | None, seconds: float) -> float:
-            return running_time(mean, seconds) if not probe or mean is None or seconds < mean else mean
+            return running_time(mean, seconds) if warm or mean is None or seconds < mean else mean
 
         if first_s is not None and state.t_draft is not None:
             # The first draft pass of a step runs on caches the target's pass has just used,
@@ -547,7 +679,7 @@ class AdaptivePolicy(DraftJudge):
             return
         if probe and n_accepted == n_drafted and self._surprising(state, confidences):
             state.calibration.fade(PROBE_FADE)
-        elif not probe and self.plain_s is not None and (n_accepted + 1) * self.plain_s > draft_s + pass_s:
+        elif not probe and self.plain_s is not None and (n_accepted + 1) * self._plain_at(context_len) > draft_s + pass_s:
             # This draft beat plain decoding: when drafting stops paying, probe again soon.
             state.probe_every = PROBE_EVERY_MIN
         state.acceptance.observe(n_drafted, n_accepted)
