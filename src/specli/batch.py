@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterable, Union
+from typing import IO, Union
 
 from .errors import UsageError
+from .files import write_atomically
 from .sampling import SamplingParams
 from .stats import Stats
 
@@ -248,22 +247,6 @@ def read_previous(path: Path) -> Previous:
             prev.done.add(key)
             prev.kept.append(raw.decode("utf-8"))
     return prev
-
-
-def write_atomically(path: Path, lines: Iterable[str]) -> None:
-    """Replace `path` with `lines` so that a crash leaves either the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for line in lines:
-                handle.write(line + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def sort_output(path: Path, entries: list[Entry]) -> None:

@@ -23,6 +23,7 @@ from .cli import (
     _load, _model_choice, _result_json, app,
 )  # fmt: skip
 from .errors import EXIT_RUNTIME, UsageError
+from .files import write_atomically
 
 EXIT_SOME_FAILED = EXIT_RUNTIME
 
@@ -154,7 +155,7 @@ def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, qui
         writer = batch.RecordWriter(stream, entries, in_order=True, skip=done_before)
     else:
         if previous is not None and (previous.n_errors or previous.n_partial):
-            batch.write_atomically(out_path, previous.kept)  # drop what is retried, then append
+            write_atomically(out_path, previous.kept)  # drop what is retried, then append
         stream = out_path.open("a" if previous is not None else "w", encoding="utf-8")
         writer = batch.RecordWriter(stream, entries, in_order=False, skip=done_before)
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
-from .batch import write_atomically
 from .compat import check_compatible
 from .drafters import DraftModelDrafter, Drafter, HybridDrafter, PromptLookupDrafter
 from .engine import AUTO, MAX_DRAFT, SpeculativeDecoder
 from .errors import UsageError
+from .files import write_atomically
 from .llama import LlamaModel, validate_ctx
 from .registry import RegistryEntry, load_effective_registry, resolve_model_arg, resolve_source
 from .sampling import GREEDY, SamplingParams

@@ -126,6 +126,7 @@ class ContextSlope:
         return (wxt - wx * wt / w, wxx - wx * wx / w) if w > 0 else (0.0, 0.0)
 
     def observe(self, n_tokens: int, seconds: float, context: int) -> None:
+        """A pass over n_tokens after `context` tokens took `seconds`."""
         x = float(n_tokens * context)
         self._clock += 1
         self._num *= CONTEXT_FORGET
@@ -155,9 +156,12 @@ class ContextSlope:
         return max(self._num / (max(self._den, 0.0) + CONTEXT_PRIOR), 0.0)
 
     def state(self) -> dict:
+        """What was measured, as JSON-ready data (PassCost.state embeds it)."""
         return {"context_sizes": {str(n): list(v) for n, v in self._sizes.items()}, "context_clock": self._clock}
 
     def load(self, state: dict) -> None:
+        """Start from `state()` of another run; raises KeyError/ValueError/TypeError on data of
+        another shape."""
         sizes = {int(n): [float(x) for x in v] for n, v in state["context_sizes"].items()}
         if any(len(v) != 6 for v in sizes.values()):
             raise ValueError("another shape")
