@@ -327,10 +327,7 @@ class LlamaModel:
 
     def close(self) -> None:
         """Free the context, batch and weights (safe to call twice)."""
-        if getattr(self, "_ctx", None):
-            llama_cpp.llama_batch_free(self._batch)
-            llama_cpp.llama_free(self._ctx)
-            self._ctx = None
+        _free_context(self)
         if getattr(self, "_model", None):
             llama_cpp.llama_model_free(self._model)
             self._model = None
@@ -452,10 +449,16 @@ class MultiSequenceContext:
         self.cached[seq].clear()
 
     def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            llama_cpp.llama_batch_free(self._batch)
-            llama_cpp.llama_free(self._ctx)
-            self._ctx = None
+        """Free the context and batch (safe to call twice; the weights belong to the model)."""
+        _free_context(self)
+
+
+def _free_context(owner: "LlamaModel | MultiSequenceContext") -> None:
+    """Free owner._ctx and owner._batch if they are still held (a half-built owner has neither)."""
+    if getattr(owner, "_ctx", None):
+        llama_cpp.llama_batch_free(owner._batch)
+        llama_cpp.llama_free(owner._ctx)
+        owner._ctx = None
 
 
 class SequenceView:
