@@ -222,13 +222,13 @@ class PassCost:
     def _context_slope(self, n_tokens: int) -> ContextSlope:
         return self.context_one if n_tokens == 1 else self.context_wide
 
-    def at_no_context(self, n_tokens: int, seconds: float, context: int) -> float:
-        """A timing taken after `context` tokens, as it would be with none (at least a tenth of it)."""
-        return max(seconds - self._context_slope(n_tokens).slope * n_tokens * context, 0.1 * seconds)
-
     def context_cost(self, n_tokens: int, context: int) -> float:
         """What `context` tokens before it add to a pass over n_tokens."""
         return self._context_slope(n_tokens).slope * n_tokens * context
+
+    def at_no_context(self, n_tokens: int, seconds: float, context: int) -> float:
+        """A timing taken after `context` tokens, as it would be with none (at least a tenth of it)."""
+        return max(seconds - self.context_cost(n_tokens, context), 0.1 * seconds)
 
     def state(self) -> dict:
         """What was measured, as JSON-ready data (AdaptivePolicy.state embeds it)."""
@@ -281,7 +281,7 @@ class PassCost:
             return [0.0] + [1.0 + PRIOR_SLOPE * (n - 1) for n in range(1, n_top + 1)]  # relative units
         prior = self._prior_slope()
         per_token = self.context_wide.slope * context  # what the context adds per token of a wide pass
-        one = self.context_one.slope * context
+        one = self.context_cost(1, context)
         if self._fit[0] < 1e-9:  # one-token passes only: T(1) and the prior slope
             t1 = self._mean.get(1, min(self._mean.values()))
             return [0.0, t1 + one] + [t1 + prior * (n - 1) + per_token * n for n in range(2, n_top + 1)]
