@@ -85,9 +85,9 @@ def test_pass_cost_interpolates_and_extrapolates_measured_sizes():
     assert cost(1) == pytest.approx(20.0, rel=1e-3)  # a running mean follows a slower machine
 
 
-def test_wide_passes_follow_a_line_that_never_falls():
-    # Timings of 8 and 9 tokens that read 9.3 and 7.1 ms (noise: two sizes measured 40 times
-    # each on the a90 pair) would send every plan to 9 if each size stood for itself.
+def test_wide_passes_follow_a_line_and_their_own_gaps_and_never_fall():
+    # Timings of 8 and 9 tokens that read 9.3 and 7.1 ms (two sizes measured 40 times each on
+    # the a90 pair): each size is priced near its own timings, but never below a narrower one.
     cost = PassCost()
     for _ in range(10):
         for n, ms in ((1, 3.0), (5, 6.8), (8, 9.3), (9, 7.1), (10, 10.3)):
@@ -95,12 +95,35 @@ def test_wide_passes_follow_a_line_that_never_falls():
     table = cost.table(16)
     assert all(a <= b for a, b in zip(table[1:], table[2:]))
     assert table[1] == pytest.approx(3.0)  # a one-token pass is its own mean
-    assert table[9] > table[8] and table[10] - table[9] == pytest.approx(table[9] - table[8])
-    assert table[5] == pytest.approx(6.5, abs=0.5) and table[10] == pytest.approx(9.7, abs=0.5)
+    assert table[5] == pytest.approx(6.8, abs=0.3) and table[10] == pytest.approx(10.3, abs=0.3)
+    assert table[8] == pytest.approx(9.3, abs=0.5) and table[9] == table[8]
     # A pass stalled by another process (50 ms) moves the line by at most half its estimate.
     before = cost(8)
     cost.observe(8, 50.0)
     assert cost(8) < before * 1.1
+
+
+def test_a_step_in_the_cost_curve_is_learnt_and_forgotten_when_not_seen():
+    # The a70 target: 5.0 ms for 6 tokens, 6.0 for 7 (ggml works in blocks of rows). A line
+    # through 4 to 9 tokens would price the seventh token at 0.4 ms and send plans past the step.
+    def step(n: int) -> float:
+        return 4.0 + 0.2 * n + (1.0 if n >= 7 else 0.0)
+
+    cost = PassCost()
+    cost.observe(1, 1.7)
+    for _ in range(50):
+        for n in (4, 5, 6, 7, 8, 9):
+            cost.observe(n, step(n))
+    table = cost.table(10)
+    assert table[7] - table[6] > 0.8
+    for n in range(4, 10):
+        assert table[n] == pytest.approx(step(n), abs=0.15), n
+    # Plans that no longer reach 7: its gap fades, and 7 is priced on the line again (so that
+    # it gets tried, and judged on what it costs now).
+    for _ in range(100):
+        for n in (4, 5, 6):
+            cost.observe(n, step(n))
+    assert abs(cost.gap(7)) < 0.02
 
 
 def test_a_size_measured_in_a_slow_moment_follows_the_machine_when_it_speeds_up():
@@ -177,26 +200,31 @@ def test_a_new_reply_is_judged_afresh_on_its_short_context():
     # Drafting pays early in a reply (short context) and not late (the wide passes' attention
     # grows with the context): each reply should start drafting at once, not wait plain for
     # the next re-probe as it did when the decision taken at the end of the last reply held.
-    policy = AdaptivePolicy(32)
-    rng = np.random.default_rng(0)
+    # (A reply may still start plain when a re-probe late in the last one failed, one time in
+    # three at 80% acceptance: the record then says drafting does not pay. So: 10 runs.)
     cost = lambda n, context: 1.0 + 0.3 * (n - 1) + 0.006 * n * context  # noqa: E731
-    first_draft = []
-    for reply in range(6):
-        context, steps = 30, 0
-        while context < 700:
-            k = policy.limit("sim", 32, context)
-            n_accepted = 0
-            while n_accepted < k and rng.random() < 0.8:
-                n_accepted += 1
-            policy.observe("sim" if k else None, k, n_accepted, None, 0.0, k + 1, cost(k + 1, context), None, None,
-                           context)  # fmt: skip
-            if k and len(first_draft) == reply:
-                first_draft.append(steps)
-            context += n_accepted + 1
-            steps += 1
-        assert policy.limit("sim", 32, context) == 0  # late in a reply: plain decoding
-        policy._probing = False
-    assert len(first_draft) == 6 and max(first_draft[1:]) <= 1, first_draft
+    waits = []  # per new reply: plain steps before its first draft
+    for seed in range(10):
+        policy = AdaptivePolicy(32)
+        rng = np.random.default_rng(seed)
+        for reply in range(6):
+            context, steps, first_draft = 30, 0, None
+            while context < 700:
+                k = policy.limit("sim", 32, context)
+                n_accepted = 0
+                while n_accepted < k and rng.random() < 0.8:
+                    n_accepted += 1
+                policy.observe("sim" if k else None, k, n_accepted, None, 0.0, k + 1, cost(k + 1, context), None,
+                               None, context)  # fmt: skip
+                if k and first_draft is None:
+                    first_draft = steps
+                context += n_accepted + 1
+                steps += 1
+            assert policy.limit("sim", 32, context) == 0  # late in a reply: plain decoding
+            policy._probing = False
+            if reply:
+                waits.append(first_draft)
+    assert sum(wait <= 1 for wait in waits) >= 0.9 * len(waits), waits
 
 
 def test_pass_costs_learnt_in_one_run_start_the_next():
