@@ -90,12 +90,12 @@ def test_auto_keeps_its_measurements_for_the_next_run(tmp_path, pair_perturbed):
     assert first.returncode == 0, first.stderr
     (state_file,) = cache.glob("policy-*.json")
     state = json.loads(state_file.read_text())
-    assert state["version"] == 4 and state["pass_mean"] and state["plain_s"] > 0
+    assert state["version"] == 3 and state["pass_mean"] and state["plain_s"] > 0
     state_file.write_text("{ not json")  # a damaged cache is not an error: the run starts afresh
     again = specli(*args, env={"SPECLI_CACHE_DIR": str(cache)})
     assert again.returncode == 0 and again.stderr.count("\n") == 1, again.stderr
     assert json.loads(again.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
-    assert json.loads(state_file.read_text())["version"] == 4  # rewritten whole
+    assert json.loads(state_file.read_text())["version"] == 3  # rewritten whole
     fixed = specli(*args, "-n", "4", env={"SPECLI_CACHE_DIR": str(tmp_path / "other")})
     assert fixed.returncode == 0 and not (tmp_path / "other").exists()  # a fixed -n measures nothing
 

@@ -85,9 +85,9 @@ def test_pass_cost_interpolates_and_extrapolates_measured_sizes():
     assert cost(1) == pytest.approx(20.0, rel=1e-3)  # a running mean follows a slower machine
 
 
-def test_wide_passes_follow_a_line_and_their_own_gaps_and_never_fall():
-    # Timings of 8 and 9 tokens that read 9.3 and 7.1 ms (two sizes measured 40 times each on
-    # the a90 pair): each size is priced near its own timings, but never below a narrower one.
+def test_wide_passes_follow_a_line_that_never_falls():
+    # Timings of 8 and 9 tokens that read 9.3 and 7.1 ms (noise: two sizes measured 40 times
+    # each on the a90 pair) would send every plan to 9 if each size stood for itself.
     cost = PassCost()
     for _ in range(10):
         for n, ms in ((1, 3.0), (5, 6.8), (8, 9.3), (9, 7.1), (10, 10.3)):
@@ -95,35 +95,12 @@ def test_wide_passes_follow_a_line_and_their_own_gaps_and_never_fall():
     table = cost.table(16)
     assert all(a <= b for a, b in zip(table[1:], table[2:]))
     assert table[1] == pytest.approx(3.0)  # a one-token pass is its own mean
-    assert table[5] == pytest.approx(6.8, abs=0.3) and table[10] == pytest.approx(10.3, abs=0.3)
-    assert table[8] == pytest.approx(9.3, abs=0.5) and table[9] == table[8]
+    assert table[9] > table[8] and table[10] - table[9] == pytest.approx(table[9] - table[8])
+    assert table[5] == pytest.approx(6.5, abs=0.5) and table[10] == pytest.approx(9.7, abs=0.5)
     # A pass stalled by another process (50 ms) moves the line by at most half its estimate.
     before = cost(8)
     cost.observe(8, 50.0)
     assert cost(8) < before * 1.1
-
-
-def test_a_step_in_the_cost_curve_is_learnt_and_forgotten_when_not_seen():
-    # The a70 target: 5.0 ms for 6 tokens, 6.0 for 7 (ggml works in blocks of rows). A line
-    # through 4 to 9 tokens would price the seventh token at 0.4 ms and send plans past the step.
-    def step(n: int) -> float:
-        return 4.0 + 0.2 * n + (1.0 if n >= 7 else 0.0)
-
-    cost = PassCost()
-    cost.observe(1, 1.7)
-    for _ in range(50):
-        for n in (4, 5, 6, 7, 8, 9):
-            cost.observe(n, step(n))
-    table = cost.table(10)
-    assert table[7] - table[6] > 0.8
-    for n in range(4, 10):
-        assert table[n] == pytest.approx(step(n), abs=0.15), n
-    # Plans that no longer reach 7: its gap fades, and 7 is priced on the line again (so that
-    # it gets tried, and judged on what it costs now).
-    for _ in range(100):
-        for n in (4, 5, 6):
-            cost.observe(n, step(n))
-    assert abs(cost.gap(7)) < 0.02
 
 
 def test_a_size_measured_in_a_slow_moment_follows_the_machine_when_it_speeds_up():

@@ -51,8 +51,6 @@ COST_EMA = 0.2  # weight of the newest timing in a pass-size's running mean (whe
 COST_EMA_DOWN = 0.5  # ... when faster than the mean
 COST_FORGET = 0.95  # weight of a wide pass in the cost line per newer pass (about 20 passes)
 COST_CLIP = 1.5  # a wide pass counts at most this times the line's estimate
-GAP_FORGET = 0.98  # weight of a size's gap from the cost line per newer wide pass (about 50 passes)
-GAP_PRIOR = 3.0  # pseudo-passes of no gap behind each size's (a size seen once moves a quarter)
 CONTEXT_FORGET = 0.995  # weight of a pass in the context slope per newer pass (about 200 passes)
 CONTEXT_PRIOR = 4 * 100.0**2  # the slope leans to 0 until passes' n * context differ this much
 CONTEXT_CLIP = 2.0  # a pass counts at most this times its estimate (looser: the slope is being learnt)
@@ -190,12 +188,6 @@ class PassCost:
     Beyond the widest pass measured lately, the cost rises optimistically (the smaller of the
     fitted and the prior slope), so that a longer draft gets tried and then judged on its real
     cost; a pessimistic guess would never be put to the test.
-
-    The real curve is not straight: the a70 target, one size after another at 100 tokens of
-    context, took 4.3 / 4.5 / 5.0 / 6.0 / 6.3 ms for 4 / 5 / 6 / 7 / 8 tokens (ggml's kernels
-    work in blocks of rows). So each size also keeps its recent gap from the line, shrunk
-    towards 0 while it has few passes and fading like the line; a size not chosen lately drifts
-    back to the line and gets tried again.
     """
 
     def __init__(self) -> None:
@@ -206,8 +198,6 @@ class PassCost:
         # One-token passes grow faster with the context than wide ones do per token (the a70
         # target in the loop: 1.2-1.6 us against 0.7-0.8 us per token per token of context).
         self.context_one, self.context_wide = ContextSlope(), ContextSlope()
-        # Per wide size, how far its passes lie from the line: [weight, weighted sum of gaps].
-        self._gaps: dict[int, list[float]] = {}
 
     def observe(self, n_tokens: int, seconds: float, cold: bool = False, context: int = 0) -> None:
         """A pass over n_tokens after `context` tokens took `seconds`. `cold`: it ran in another
@@ -224,30 +214,10 @@ class PassCost:
             if self._fit[0] >= 3:
                 # One pass stalled by another process must not steer the line for dozens.
                 at_0, slope = self._line()
-                line = at_0 + slope * n_tokens
-                seconds = min(seconds, (1.0 if cold else COST_CLIP) * line)
-                if not cold:
-                    self._observe_gap(n_tokens, seconds - line)
+                seconds = min(seconds, (1.0 if cold else COST_CLIP) * (at_0 + slope * n_tokens))
             w, wn, wnn, wt, wnt = (x * COST_FORGET for x in self._fit)
             self._fit = [w + 1, wn + n_tokens, wnn + n_tokens**2, wt + seconds, wnt + n_tokens * seconds]
             self._widest = max(self._widest * COST_FORGET, n_tokens)
-
-    def _observe_gap(self, n_tokens: int, gap: float) -> None:
-        """A wide pass of n_tokens lay `gap` seconds above the line (below if negative). Every
-        size's record fades at each wide pass, so that a size not chosen lately drifts back to
-        the line and gets tried again (one mean per size kept slow sizes slow for good)."""
-        for record in self._gaps.values():
-            record[0] *= GAP_FORGET
-            record[1] *= GAP_FORGET
-        record = self._gaps.setdefault(n_tokens, [0.0, 0.0])
-        record[0] += 1
-        record[1] += gap
-
-    def gap(self, n_tokens: int) -> float:
-        """What a pass of n_tokens costs beyond the line, as far as recent passes of that size
-        tell (0 for a size not seen)."""
-        record = self._gaps.get(n_tokens)
-        return 0.0 if record is None else record[1] / (record[0] + GAP_PRIOR)
 
     def _context_slope(self, n_tokens: int) -> ContextSlope:
         return self.context_one if n_tokens == 1 else self.context_wide
@@ -264,8 +234,7 @@ class PassCost:
         """What was measured, as JSON-ready data (AdaptivePolicy.state embeds it)."""
         return {"pass_mean": {str(n): t for n, t in self._mean.items()}, "pass_fit": list(self._fit),
                 "pass_widest": self._widest, "context_one": self.context_one.state(),
-                "context_wide": self.context_wide.state(),
-                "pass_gaps": {str(n): list(r) for n, r in self._gaps.items()}}  # fmt: skip
+                "context_wide": self.context_wide.state()}  # fmt: skip
 
     def load(self, state: dict) -> None:
         """Start from what another run measured (`state()`); raises KeyError/ValueError/TypeError
@@ -277,11 +246,8 @@ class PassCost:
         one, wide = ContextSlope(), ContextSlope()
         one.load(state["context_one"])
         wide.load(state["context_wide"])
-        gaps = {int(n): [float(x) for x in r] for n, r in state["pass_gaps"].items()}
-        if any(len(r) != 2 for r in gaps.values()):
-            raise ValueError("another shape")
         self._mean, self._fit, self._widest = mean, fit, float(state["pass_widest"])
-        self.context_one, self.context_wide, self._gaps = one, wide, gaps
+        self.context_one, self.context_wide = one, wide
 
     @property
     def measured(self) -> bool:
@@ -326,8 +292,6 @@ class PassCost:
         out = [0.0, previous + one]
         for n in range(2, n_top + 1):  # (a hot loop: -n auto plans with it every step)
             t = at_0 + slope * n if n <= widest else at_0 + slope * widest + up * (n - widest)
-            if n in self._gaps:
-                t += self.gap(n)
             previous = t if t > previous else previous
             out.append(previous + per_token * n)
         return out
@@ -513,7 +477,7 @@ class AdaptivePolicy(DraftJudge):
         self._previous_plain = False
         self._previous_drafter: str | None = None  # the source whose drafter ran at the last step
 
-    STATE_VERSION = 4  # 2: pass costs as a line (pass_fit, pass_widest); 3: and the context slope; 4: and gaps
+    STATE_VERSION = 3  # 2: pass costs as a line (pass_fit, pass_widest); 3: and the context slope
 
     def state(self) -> dict:
         """What the policy has learnt, as JSON-ready data (costs, acceptance, calibration)."""
