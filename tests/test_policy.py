@@ -176,9 +176,8 @@ def test_pass_costs_measured_late_in_a_reply_price_the_next_short_one():
 def test_a_new_reply_is_judged_afresh_on_its_short_context():
     # Drafting pays early in a reply (short context) and not late (the wide passes' attention
     # grows with the context): each reply should start drafting at once, not wait plain for
-    # the next re-probe as it did when the decision taken at the end of the last reply held.
-    # (A reply may still start plain when a re-probe late in the last one failed, one time in
-    # three at 80% acceptance: the record then says drafting does not pay. So: 10 runs.)
+    # the next re-probe as it did when the decision taken at the end of the last reply held,
+    # or when re-probes refused by chance late in a reply had faded the record to their word.
     cost = lambda n, context: 1.0 + 0.3 * (n - 1) + 0.006 * n * context  # noqa: E731
     waits = []  # per new reply: plain steps before its first draft
     for seed in range(10):
@@ -201,7 +200,37 @@ def test_a_new_reply_is_judged_afresh_on_its_short_context():
             policy._probing = False
             if reply:
                 waits.append(first_draft)
-    assert sum(wait <= 1 for wait in waits) >= 0.9 * len(waits), waits
+    assert max(waits) <= 1, waits
+
+
+def test_a_probe_that_goes_as_expected_leaves_the_record_whole():
+    # Drafts accepted 80% of the time; drafting then stops paying (its cost, say), and the
+    # re-probes are refused now and then by chance. They are no news: the record stays near 0.8.
+    # One accepted in full where the record said nearly never is news: the old verdicts fade.
+    policy = AdaptivePolicy(32)
+    state = policy.source("sim")
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        state.acceptance.observe(4, min(int(rng.geometric(0.2)) - 1, 4))
+    before = state.acceptance.rates(1)[0]
+    assert before == pytest.approx(0.8, abs=0.1)
+    for _ in range(3):
+        policy.observe(None, 0, 0, None, 0.0, 1, 1.0)  # plain passes: 1 s
+    for _ in range(5):
+        policy.pass_cost.observe(3, 30.0)  # wide passes: far too dear to draft
+
+    def probe(n_accepted: int) -> None:
+        state.plain_streak, state.probe_every = 3, 4  # the next step is a probe
+        assert policy.limit("sim", 32) == 2
+        policy.observe("sim", 2, n_accepted, None, 0.0, 3, 30.0)
+
+    probe(0)
+    probe(0)  # two probes, both refused at once
+    assert state.acceptance.rates(1)[0] > before - 0.06
+    for _ in range(200):
+        state.acceptance.observe(4, 0)
+    probe(2)
+    assert state.acceptance.rates(2)[1] > 0.5
 
 
 def test_pass_costs_learnt_in_one_run_start_the_next():

@@ -27,9 +27,10 @@ The model, in plain words:
   while the pass it widens is expected to pay (`AdaptivePolicy.keep`); when the best plan ends
   with the token just kept, the proposal ends there (`last`) instead of paying a draft pass to
   see a next token that would be dropped.
-- re-probes fade the acceptance record, not the confidence calibration (how far the draft
-  model can be trusted is a property of the pair): only a probe accepted in full against the
-  calibration's odds (under PROBE_SURPRISE) fades it too.
+- a re-probe's verdict joins the record; only a probe accepted in full against the record's
+  odds (under PROBE_SURPRISE: the text may have changed) fades the old verdicts, and the
+  confidence calibration (how far the draft model can be trusted, a property of the pair) only
+  when it was against the calibration's odds.
 
 Everything here is pure bookkeeping and arithmetic on numbers handed in by the engine: no
 timing is taken here, so the policy is tested on simulated costs and acceptances.
@@ -57,8 +58,8 @@ CONTEXT_CLIP = 2.0  # a pass counts at most this times its estimate (looser: the
 PROBE_LENGTH = 2
 PROBE_EVERY_MIN = 4  # plain steps before the first re-probe
 PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this
-PROBE_FADE = 0.1  # evidence kept when a probe starts
-PROBE_SURPRISE = 0.25  # a fully accepted probe reopens the calibration only if it was this unlikely
+PROBE_FADE = 0.1  # evidence kept when a probe's verdict is news
+PROBE_SURPRISE = 0.25  # a fully accepted probe is news only if the record gave it less than this
 LOOKAHEAD = 8  # drafts after the current one that `keep` weighs
 WARM_UP_DRAFTS = 4  # a draft model's first steps draft (keep still judges each token): the
 # first timings of a new pass shape are slow (0.6 ms per draft token where 0.3 is usual), and a
@@ -573,16 +574,18 @@ class AdaptivePolicy(DraftJudge):
             # Drafting has not paid lately: try a short draft to see if the text has changed.
             state.plain_streak = 0
             state.probe_every = min(state.probe_every * 2, PROBE_EVERY_MAX)
-            self._probing = True
-            # The old verdicts are what made drafting stop; the probe's says if that still holds.
-            # The calibration is left alone here: it says how far the draft model's confidence
-            # can be trusted, and starting it over from its prior (a calibrated draft) would
-            # send a draft model that is sure and wrong back to drafting at every probe. Only a
-            # probe accepted in full against the calibration's odds (the text may have changed)
-            # fades it (observe).
-            state.acceptance.fade(PROBE_FADE)
+            self._probing = True  # (what its verdict does to the record: observe)
             return min(PROBE_LENGTH, n_max)
         return 0
+
+    @staticmethod
+    def _news(state: SourceState, n_drafted: int) -> bool:
+        """Whether the acceptance record gave n_drafted drafts, all accepted, less than
+        PROBE_SURPRISE."""
+        chance = 1.0
+        for a in state.acceptance.rates(n_drafted):
+            chance *= a
+        return chance < PROBE_SURPRISE
 
     @staticmethod
     def _surprising(state: SourceState, confidences: Sequence[float] | None) -> bool:
@@ -681,8 +684,20 @@ class AdaptivePolicy(DraftJudge):
             state.start_s = timed(state.start_s, max(first_s - state.t_draft, 0.0))
         if n_drafted == 0:
             return
-        if probe and n_accepted == n_drafted and self._surprising(state, confidences):
-            state.calibration.fade(PROBE_FADE)
+        if probe and n_accepted == n_drafted:
+            # A probe that goes as the record expects (refused where drafts were refused; taken
+            # in full, two times in three, at 80% acceptance) joins it as one more verdict. One
+            # taken in full against the odds says the text may have changed: the old verdicts
+            # make way. (Fading the record at every probe left a few probes to speak for the
+            # pair: a70's fell from 0.8 to 0.5 after two probes refused by chance late in a
+            # reply, where drafting had stopped paying for its cost, and the next reply, where
+            # it pays, was judged on that and decoded plain until the next probe, 128 steps.)
+            # The calibration fades only against its own odds: starting it over from its prior
+            # (a calibrated draft) sent a draft model that is sure and wrong back to drafting.
+            if self._news(state, n_drafted):
+                state.acceptance.fade(PROBE_FADE)
+            if self._surprising(state, confidences):
+                state.calibration.fade(PROBE_FADE)
         elif not probe and self.plain_s is not None and (n_accepted + 1) * self._plain_at(context_len) > draft_s + pass_s:
             # This draft beat plain decoding: when drafting stops paying, probe again soon.
             state.probe_every = PROBE_EVERY_MIN
