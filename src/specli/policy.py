@@ -38,8 +38,9 @@ timing is taken here, so the policy is tested on simulated costs and acceptances
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 # Before anything is measured: an optimistic acceptance (so the first steps draft and learn),
 # a target pass cost growing by 10% per extra token, and a draft token at 10% of a pass.
@@ -579,23 +580,13 @@ class AdaptivePolicy(DraftJudge):
         return 0
 
     @staticmethod
-    def _news(state: SourceState, n_drafted: int) -> bool:
-        """Whether the acceptance record gave n_drafted drafts, all accepted, less than
-        PROBE_SURPRISE."""
-        chance = 1.0
-        for a in state.acceptance.rates(n_drafted):
-            chance *= a
-        return chance < PROBE_SURPRISE
-
-    @staticmethod
-    def _surprising(state: SourceState, confidences: Sequence[float] | None) -> bool:
-        """Whether the calibration gave a fully accepted probe less than PROBE_SURPRISE: a pair
-        whose drafts are taken half the time passes a 2-token probe one time in four, and that
-        is no news; one whose drafts were all refused passing it is."""
-        chance = 1.0
-        for confidence in confidences or ():
-            chance *= state.calibration.rate(confidence)
-        return chance < PROBE_SURPRISE
+    def _against_the_odds(chances: Iterable[float]) -> bool:
+        """Whether a probe accepted in full had less than PROBE_SURPRISE, its drafts accepted
+        with these chances: a pair whose drafts are taken half the time passes a 2-token probe
+        one time in four, and that is no news; one whose drafts were all refused passing it is.
+        The chances come from the acceptance record, or from the calibration of the probe's
+        confidences."""
+        return math.prod(chances) < PROBE_SURPRISE
 
     @staticmethod
     def _has_confidence(state: SourceState) -> bool:
@@ -694,9 +685,9 @@ class AdaptivePolicy(DraftJudge):
             # it pays, was judged on that and decoded plain until the next probe, 128 steps.)
             # The calibration fades only against its own odds: starting it over from its prior
             # (a calibrated draft) sent a draft model that is sure and wrong back to drafting.
-            if self._news(state, n_drafted):
+            if self._against_the_odds(state.acceptance.rates(n_drafted)):
                 state.acceptance.fade(PROBE_FADE)
-            if self._surprising(state, confidences):
+            if self._against_the_odds(map(state.calibration.rate, confidences or ())):
                 state.calibration.fade(PROBE_FADE)
         elif not probe and self.plain_s is not None and (n_accepted + 1) * self._plain_at(context_len) > draft_s + pass_s:
             # This draft beat plain decoding: when drafting stops paying, probe again soon.
