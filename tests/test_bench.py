@@ -107,6 +107,22 @@ def test_aggregate_takes_medians_and_pools_ratios():
     assert spec.draft_ms_per_token == pytest.approx(1000 * 0.024 / 30)
 
 
+def test_a_speedup_compares_each_run_with_its_target_only_twin():
+    # Round 1 ran in a slow spell: both configurations lost half their speed. Twin by twin N=2 is
+    # 1.2x every time; medians of tokens/s would say 110 / 100 = 1.1x.
+    records = [
+        {**record("a", 0, 100.0), "prompt": "p", "round": 0}, {**record("a", 2, 120.0), "prompt": "p", "round": 0},
+        {**record("a", 0, 50.0), "prompt": "p", "round": 1}, {**record("a", 2, 60.0), "prompt": "p", "round": 1},
+        {**record("a", 0, 110.0), "prompt": "q", "round": 0}, {**record("a", 2, 132.0), "prompt": "q", "round": 0},
+    ]  # fmt: skip
+    base, spec = bench.aggregate(records)
+    assert base.speedup == 1.0 and spec.tokens_per_s == 120.0
+    assert spec.speedup == pytest.approx(1.2)
+    # A run without a twin (its target-only run is missing): medians of tokens/s again.
+    lone = [*records, {**record("a", 2, 200.0), "prompt": "r", "round": 0}]
+    assert bench.aggregate(lone)[1].speedup == pytest.approx(126.0 / 100.0)
+
+
 def test_aggregate_keeps_scenarios_apart_in_first_seen_order():
     records = [record("b", 3, 50.0), record("a", 0, 10.0), record("b", 0, 100.0), record("a", 3, 20.0)]
     rows = bench.aggregate(records)

@@ -244,7 +244,7 @@ class Row:
     n: int | str  # 0 = target-only, "auto" = the adaptive policy
     runs: int
     tokens_per_s: float | None  # median over runs
-    speedup: float | None  # tokens_per_s / target-only tokens_per_s of the scenario
+    speedup: float | None  # over target-only: median of each run's ratio to its twin (aggregate)
     acceptance: float | None  # accepted / drafted, pooled
     alpha: float | None  # see alpha_estimate
     tokens_per_pass: float | None  # generated tokens / target passes, pooled
@@ -267,20 +267,45 @@ def aggregate(records: list[dict]) -> list[Row]:
     """Rows per (scenario, configuration), scenarios in first-seen order, target-only first.
 
     Needs records with: scenario, n_draft, tokens_per_s, n_tokens, drafted, accepted,
-    rejections, target_passes, draft_s, verify_s. Speedups compare medians of tokens/s; the
-    target's one-token pass time (for c) is verify time / passes pooled over its target-only runs.
+    rejections, target_passes, draft_s, verify_s. A speedup is the median over runs of each
+    run's tokens/s over its target-only twin's (same prompt and round: `prompt` and `round`
+    keys; the schedule runs them back to back, so a slow spell of the machine slows both); a
+    configuration with a run that has no twin compares medians of tokens/s instead. The
+    target's one-token pass time (for c) is verify time / passes pooled over its target-only
+    runs.
     """
     groups: dict[str, dict[int, list[dict]]] = {}
+    twins: dict[tuple, float] = {}
     for rec in records:
         groups.setdefault(rec["scenario"], {}).setdefault(rec["n_draft"], []).append(rec)
+        if rec["n_draft"] == TARGET_ONLY and _twin_key(rec) is not None:
+            twins[_twin_key(rec)] = rec["tokens_per_s"]
     rows = []
     for scenario, by_n in groups.items():
         base = by_n.get(TARGET_ONLY, [])
         base_tps = _median([r["tokens_per_s"] for r in base])
         pass_s = _ratio(_pooled(base, "verify_s"), _pooled(base, "target_passes")) if base else None
         for n in sorted(by_n, key=config_order):
-            rows.append(_row(scenario, n, by_n[n], base_tps, pass_s))
+            rows.append(_row(scenario, n, by_n[n], base_tps, pass_s, twins))
     return rows
+
+
+def _twin_key(rec: dict) -> tuple | None:
+    """What pairs a run with its target-only twin (None for records that do not say)."""
+    if "prompt" not in rec or "round" not in rec:
+        return None
+    return rec["scenario"], rec["prompt"], rec["round"]
+
+
+def _paired_speedup(recs: list[dict], twins: dict[tuple, float]) -> float | None:
+    """Median of tokens/s over the twin's, when every run has a twin that measured something."""
+    ratios = []
+    for rec in recs:
+        twin = twins.get(_twin_key(rec)) if _twin_key(rec) is not None else None
+        if not twin or rec["tokens_per_s"] is None:
+            return None
+        ratios.append(rec["tokens_per_s"] / twin)
+    return statistics.median(ratios) if ratios else None
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -288,9 +313,13 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _row(scenario: str, n: int, recs: list[dict], base_tps: float | None, pass_s: float | None) -> Row:
+def _row(scenario: str, n: int, recs: list[dict], base_tps: float | None, pass_s: float | None,
+         twins: dict[tuple, float] | None = None) -> Row:  # fmt: skip
     """Aggregate one configuration's records (see aggregate)."""
     tps = _median([r["tokens_per_s"] for r in recs])
+    speedup = 1.0 if n == TARGET_ONLY and tps else _paired_speedup(recs, twins or {})
+    if speedup is None:
+        speedup = tps / base_tps if tps is not None and base_tps else None
     tokens, drafted = _pooled(recs, "n_tokens"), _pooled(recs, "drafted")
     accepted, passes = _pooled(recs, "accepted"), _pooled(recs, "target_passes")
     alpha = alpha_estimate(accepted, _pooled(recs, "rejections")) if n else None
@@ -299,7 +328,7 @@ def _row(scenario: str, n: int, recs: list[dict], base_tps: float | None, pass_s
     ms = lambda key: 1000 * _pooled(recs, key) / tokens if tokens else None  # noqa: E731
     return Row(
         scenario=scenario, n=n, runs=len(recs), tokens_per_s=tps,
-        speedup=tps / base_tps if tps is not None and base_tps else None,
+        speedup=speedup,
         acceptance=_ratio(accepted, drafted) if n else None, alpha=alpha,
         tokens_per_pass=_ratio(tokens, passes), draft_ms_per_token=ms("draft_s"),
         verify_ms_per_token=ms("verify_s"), cost_ratio=c,
