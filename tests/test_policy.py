@@ -9,7 +9,7 @@ import pytest
 
 from specli.policy import (
     PROBE_EVERY_MAX, AdaptivePolicy, ConfidenceCalibration, ContextSlope, PassCost, PositionalAcceptance,
-    best_length, expected_tokens,
+    best_length, expected_tokens, running_time,
 )  # fmt: skip
 
 FLAT = lambda n: 1.0  # noqa: E731  a GPU-like target: a pass costs the same for 1 or 33 tokens
@@ -265,11 +265,12 @@ def test_calibration_moves_from_the_prior_to_what_the_target_accepted():
 
 
 def simulate(policy: AdaptivePolicy, accept_prob, steps: int, cost=FLAT, t_draft=0.0, seed=0,
-             confidence=None, trust=lambda c: c, totals=None) -> list[int]:  # fmt: skip
+             confidence=None, trust=lambda c: c, totals=None, gap=0.0, tell_gap=True) -> list[int]:  # fmt: skip
     """Run the policy against a simulated target: each draft is accepted with accept_prob(step)
     (a draft model: with trust(its confidence)) until the first rejection; costs are what `cost`
-    and `t_draft` say, a plain pass cost(1). Returns the drafted lengths per step; `totals`, a
-    dict, gets the tokens made and the simulated seconds they took."""
+    and `t_draft` say, a plain pass cost(1), and every step `gap` more (the loop's own time;
+    reported to the policy as the engine does when tell_gap). Returns the drafted lengths per
+    step; `totals`, a dict, gets the tokens made and the simulated seconds they took."""
     rng = np.random.default_rng(seed)
     lengths = []
     tokens = seconds = 0.0
@@ -293,9 +294,10 @@ def simulate(policy: AdaptivePolicy, accept_prob, steps: int, cost=FLAT, t_draft
         while n_accepted < k and rng.random() < (p if confidences is None else trust(confidences[n_accepted])):
             n_accepted += 1
         source = "sim" if looked else None
-        policy.observe(source, k, n_accepted, confidences, looked * t_draft, k + 1, cost(k + 1))
+        told = gap if tell_gap and step >= 2 else None
+        policy.observe(source, k, n_accepted, confidences, looked * t_draft, k + 1, cost(k + 1), gap_s=told)
         tokens += n_accepted + 1
-        seconds += looked * t_draft + cost(k + 1)
+        seconds += looked * t_draft + cost(k + 1) + gap
         lengths.append(k)
     if totals is not None:
         totals.update(tokens=tokens, seconds=seconds)
@@ -324,6 +326,32 @@ def test_policy_settles_on_the_optimal_length_for_a_known_acceptance(alpha, cost
     near = sum(1 for k in late if abs(k - optimum) <= max(2, optimum // 4))
     assert near / len(late) > 0.6, (optimum, np.bincount(late))
     assert abs(np.median(late) - optimum) <= max(2, optimum // 4)
+
+
+def test_the_loops_time_per_step_counts_against_plain_decoding_too():
+    # Drafts taken 25% of the time, a draft token at 0.3 of a pass, passes flat: one draft a
+    # step makes 1.25 tokens for 1.3 passes' time, 4% slower than plain decoding. Add a pass's
+    # worth of the loop's own time to every step (a slow terminal, say): the draft now makes 1.25
+    # tokens for 2.3 where plain decoding makes 1 for 2, 8% faster, and the policy that is told
+    # the loop's time drafts.
+    plain, told, untold = {}, {}, {}
+    late = simulate(AdaptivePolicy(32), lambda step: 0.25, 3000, t_draft=0.3, totals=plain)[1000:]
+    assert sum(1 for k in late if k) < 0.1 * len(late)
+    late = simulate(AdaptivePolicy(32), lambda step: 0.25, 3000, t_draft=0.3, gap=1.0, totals=told)[1000:]
+    assert sum(1 for k in late if k) > 0.9 * len(late)
+    simulate(AdaptivePolicy(32), lambda step: 0.25, 3000, t_draft=0.3, gap=1.0, tell_gap=False, totals=untold)
+    assert told["tokens"] / told["seconds"] > 1.05 * untold["tokens"] / untold["seconds"]
+
+
+def test_a_running_time_follows_the_mean_of_noisy_timings_and_shrugs_off_a_stall():
+    rng = np.random.default_rng(0)
+    mean = None
+    means = []
+    for _ in range(2000):
+        mean = running_time(mean, float(rng.uniform(0.7, 1.3)))  # 1.0 on average, spread 17%
+        means.append(mean)
+    assert np.mean(means[100:]) == pytest.approx(1.0, abs=0.01)
+    assert running_time(1.0, 50.0) <= 1.1  # a pass stalled by another process
 
 
 def test_policy_notices_when_the_text_starts_to_pay():

@@ -208,6 +208,7 @@ class SpeculativeDecoder:
         stats.prompt_s = time.perf_counter() - t0
 
         t_gen = time.perf_counter()
+        t_previous_pass = None  # when the previous step's pass and verification ended
         while True:
             remaining = max_tokens - len(gen.token_ids)
             room = n_ctx - len(context)  # positions left after the context
@@ -236,7 +237,11 @@ class SpeculativeDecoder:
             if self.adaptive:
                 self.judge.observe(proposal.source, len(draft), verdict.n_accepted, proposal.confidences,
                                    t_verify - t_draft, len(draft) + 1, t_done - t_verify, proposal.token_s,
-                                   proposal.first_s, len(context))  # fmt: skip
+                                   proposal.first_s, len(context),
+                                   gap_s=None if t_previous_pass is None else t_draft - t_previous_pass)  # fmt: skip
+            # (not after the first step: what follows it includes one-off work, such as the
+            # live status's first drawing, 1 ms on a terminal)
+            t_previous_pass = t_done if gen.token_ids else None
 
             step = gen.record(verdict.tokens, verdict.n_accepted, len(draft), model_tgt.is_eog, proposal.source)
             context.extend(verdict.tokens)

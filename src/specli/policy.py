@@ -8,11 +8,15 @@ The model, in plain words:
   t_draft (a draft model's forward pass and the loop's work on the token; almost nothing for
   prompt lookup), and a step that drafts pays `start` before its first token (the draft
   model's first pass runs on caches the target's pass has just used).
+- every step also pays the loop's own time between passes (recording the step, the policy,
+  the caller's rendering: 0.1-0.2 ms a step, more on a terminal), measured by the engine: a
+  plain step pays it for one token, a step that drafts for all it makes.
 - acceptance: a_i = probability that draft i (0-based) is accepted when all drafts before it
   were. For a draft model, a_i can also be read from the draft's own confidence in token i
   (calibrated against what the target actually accepted).
 - a pass with k drafts yields E(k) = 1 + a_0 + a_0 a_1 + ... + a_0...a_{k-1} tokens on average
-  (the accepted drafts plus the target's own token) and costs C(k) = start + k t_draft + T(k+1).
+  (the accepted drafts plus the target's own token) and costs C(k) = start + gap + k t_draft +
+  T(k+1), against plain + gap' for a plain step.
 - the policy picks k to maximise E(k) / C(k), tokens per second. k = 0 is plain decoding, whose
   cost is measured on its own (a plain pass after a plain pass: right after a draft model's
   pass the target runs slower, its weights evicted from the CPU caches), so a policy's first two
@@ -49,8 +53,7 @@ PRIOR_WEIGHT = 3.0  # pseudo-observations behind a prior or a neighbour's estima
 PRIOR_SLOPE = 0.1  # T(n) = T(1) * (1 + PRIOR_SLOPE * (n - 1)) until two pass sizes are measured
 PRIOR_DRAFT_COST = 0.1  # t_draft / T(1) until a draft is measured
 DECAY = 0.97  # weight of older observations per new one: recent text counts most
-COST_EMA = 0.2  # weight of the newest timing in a pass-size's running mean (when slower)
-COST_EMA_DOWN = 0.5  # ... when faster than the mean
+COST_EMA = 0.2  # weight of the newest timing in a running mean of a duration
 COST_FORGET = 0.95  # weight of a wide pass in the cost line per newer pass (about 20 passes)
 COST_CLIP = 1.5  # a wide pass counts at most this times the line's estimate
 CONTEXT_FORGET = 0.995  # weight of a pass in the context slope per newer pass (about 200 passes)
@@ -68,11 +71,16 @@ WARM_UP_DRAFTS = 4  # a draft model's first steps draft (keep still judges each 
 
 
 def running_time(mean: float | None, seconds: float) -> float:
-    """A running mean of a duration. Interference (other processes, the first pass of a new
-    shape) only ever slows a pass down: faster timings are followed quickly, slower ones slowly."""
+    """A running mean of a duration; a timing counts at most COST_CLIP times the mean (a pass
+    stalled by another process must not steer it for dozens).
+
+    Symmetric, like the wide passes' line. Following faster timings faster than slower ones
+    (weights 0.5 and 0.2, no clip) kept the mean of a70's plain passes 1.7% under their true
+    mean (their spread: 5-15%), so plain decoding looked that much cheaper than drafting, whose
+    wide passes are priced by an unbiased fit; and a 50 ms stall lifted a 1 ms mean to 10.8."""
     if mean is None:
         return seconds
-    return mean + (COST_EMA_DOWN if seconds < mean else COST_EMA) * (seconds - mean)
+    return mean + COST_EMA * (min(seconds, COST_CLIP * mean) - mean)
 
 
 def expected_tokens(accept: Sequence[float]) -> list[float]:
@@ -476,7 +484,15 @@ class AdaptivePolicy(DraftJudge):
         # draft model's forward pass evicts the target's weights from the CPU caches), so the
         # cost of plain decoding is measured on its own: a plain pass after a plain pass.
         self.plain_s: float | None = None
+        # What the loop spends between two passes beyond drafting and the pass (recording the
+        # step, this policy's own work, the caller's rendering), after a plain step and after
+        # one that drafted: every step pays it once, so a step that makes more tokens pays less
+        # of it per token. Left out, it made plain decoding look 1.5-2% cheaper than it is
+        # next to drafting on the a70 pair (2 ms passes; about 40 us a step).
+        self.plain_gap_s: float | None = None
+        self.draft_gap_s: float | None = None
         self._previous_plain = False
+        self._previous_plain_draft_s = 0.0  # the limit() call of the latest plain step
         self._previous_drafter: str | None = None  # the source whose drafter ran at the last step
 
     STATE_VERSION = 3  # 2: pass costs as a line (pass_fit, pass_widest); 3: and the context slope
@@ -487,6 +503,8 @@ class AdaptivePolicy(DraftJudge):
             "version": self.STATE_VERSION,
             **self.pass_cost.state(),
             "plain_s": self.plain_s,
+            "plain_gap_s": self.plain_gap_s,
+            "draft_gap_s": self.draft_gap_s,
             "sources": {
                 name: {
                     "judged": st.acceptance.judged, "accepted": st.acceptance.accepted, "t_draft": st.t_draft,
@@ -520,8 +538,10 @@ class AdaptivePolicy(DraftJudge):
             st.probe_every = min(max(int(data.get("probe_every", PROBE_EVERY_MIN)), PROBE_EVERY_MIN), PROBE_EVERY_MAX)
             sources[str(name)] = st
         plain_s = state["plain_s"]
+        gaps = [None if state.get(key) is None else float(state[key]) for key in ("plain_gap_s", "draft_gap_s")]
         self.pass_cost = pass_cost
         self.plain_s = None if plain_s is None else float(plain_s)
+        self.plain_gap_s, self.draft_gap_s = gaps
         self._sources = sources
 
     def source(self, name: str) -> SourceState:
@@ -535,9 +555,15 @@ class AdaptivePolicy(DraftJudge):
         return PRIOR_DRAFT_COST * self.pass_cost(1)
 
     def _plain_at(self, context_len: int) -> float:
-        """What a plain pass costs after context_len tokens (plain_s is kept as at none)."""
+        """What a plain step costs after context_len tokens: its pass (plain_s is kept as at no
+        context) and the loop's time around it."""
         assert self.plain_s is not None
-        return self.plain_s + self.pass_cost.context_cost(1, context_len)
+        return self.plain_s + self.pass_cost.context_cost(1, context_len) + (self.plain_gap_s or 0.0)
+
+    def _start_cost(self, state: SourceState) -> float:
+        """What a step that drafts pays beyond its draft tokens and its pass: the drafter's start
+        and the loop's time around the step."""
+        return (state.start_s or 0.0) + (self.draft_gap_s or 0.0)
 
     def limit(self, source: str, n_max: int, context_len: int = 0) -> int:
         state = self.source(source)
@@ -561,12 +587,12 @@ class AdaptivePolicy(DraftJudge):
         plain = self._plain_at(context_len)
         gated = None
         if state.t_draft is not None and self._has_confidence(state):
-            gated = gated_rate(state.calibration, self._rates[1:], self._t_draft_now, self._costs, state.start_s or 0.0)
+            gated = gated_rate(state.calibration, self._rates[1:], self._t_draft_now, self._costs, self._start_cost(state))
         if gated is not None:
             # A draft model: whether to look at its first token at all; `keep` gates the rest.
             k = n_max if gated > 1 / plain or state.drafting_steps < WARM_UP_DRAFTS else 0
         else:
-            k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__, plain, state.start_s or 0.0)
+            k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__, plain, self._start_cost(state))
         if k > 0:
             state.plain_streak = 0  # (the probe interval shrinks back when a draft pays: observe)
             return k
@@ -637,11 +663,17 @@ class AdaptivePolicy(DraftJudge):
 
     def observe(self, source: str | None, n_drafted: int, n_accepted: int, confidences: Sequence[float] | None,
                 draft_s: float, pass_tokens: int, pass_s: float, token_s: float | None = None,
-                first_s: float | None = None, context_len: int = 0) -> None:  # fmt: skip
+                first_s: float | None = None, context_len: int = 0, gap_s: float | None = None) -> None:  # fmt: skip
         """One step's facts: what was drafted and accepted, what drafting cost (draft_s in all;
         when the drafter timed them, token_s per drafted token and first_s until its first
-        token) and what the pass cost (after context_len tokens)."""
+        token), what the pass cost (after context_len tokens), and gap_s, the time from the end
+        of the previous step's pass to the start of this step (None at a generation's first)."""
         probe, self._probing = self._probing, False
+        if gap_s is not None:  # (the previous step's: plain steps also pay their limit() call)
+            if self._previous_plain:
+                self.plain_gap_s = running_time(self.plain_gap_s, gap_s + self._previous_plain_draft_s)
+            else:
+                self.draft_gap_s = running_time(self.draft_gap_s, gap_s)
         state = None if source is None else self.source(source)
         ran = state is not None and (n_drafted > 0 or confidences is not None)  # (a draft model may only have looked)
         warm, self._previous_drafter = ran and self._previous_drafter == source, source if ran else None
@@ -654,7 +686,7 @@ class AdaptivePolicy(DraftJudge):
         self.pass_cost.observe(pass_tokens, pass_s, cold, context_len)
         if steady_plain:
             self.plain_s = running_time(self.plain_s, self.pass_cost.at_no_context(1, pass_s, context_len))
-        self._previous_plain = plain
+        self._previous_plain, self._previous_plain_draft_s = plain, draft_s
         if state is None:
             return
         if ran:
@@ -689,7 +721,7 @@ class AdaptivePolicy(DraftJudge):
                 state.acceptance.fade(PROBE_FADE)
             if self._against_the_odds(map(state.calibration.rate, confidences or ())):
                 state.calibration.fade(PROBE_FADE)
-        elif not probe and self.plain_s is not None and (n_accepted + 1) * self._plain_at(context_len) > draft_s + pass_s:
+        elif not probe and self.plain_s is not None and (n_accepted + 1) * self._plain_at(context_len) > draft_s + pass_s + (self.draft_gap_s or 0.0):
             # This draft beat plain decoding: when drafting stops paying, probe again soon.
             state.probe_every = PROBE_EVERY_MIN
         state.acceptance.observe(n_drafted, n_accepted)

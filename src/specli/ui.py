@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TextIO
+from typing import Callable, TextIO
 
 from rich.cells import cell_len
 from rich.console import Console
@@ -118,15 +118,17 @@ class LiveStatus:
             self.err.flush()
             self._shown = False
 
-    def show(self, line: Text) -> None:
-        """Draw `line` (re-rendered at most `fps` times a second; redrawn as is in between)."""
+    def show(self, make_line: Callable[[], Text]) -> None:
+        """Draw the line `make_line` builds: built and rendered at most `fps` times a second,
+        redrawn as is in between (building a Rich line at every step cost more than a tenth of a
+        millisecond a step, which fast models step in one or two)."""
         if not self.enabled or (self.shared and self._column >= self._console.width):
             return
         now = time.monotonic()
         if now - self._last >= self._interval or not self._rendered:
             self._last = now
             width = max(10, self._console.width - 1)  # never wrap: a wrapped line cannot be erased
-            line = line.copy()
+            line = make_line()
             line.truncate(width)
             self._rendered = self._render(line)
         elif self._shown:
@@ -207,7 +209,7 @@ def stream_generation(
                 printed += len(step.text)  # counted first: a Ctrl-C mid-write must not print it twice
                 text_out.write(step)
                 status.note_text(step.text)
-            status.show(status_text(gen.stats, with_drafting=with_drafting))
+            status.show(lambda: status_text(gen.stats, with_drafting=with_drafting))
     except KeyboardInterrupt:
         gen.interrupt()
         interrupted = True
