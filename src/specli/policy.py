@@ -75,7 +75,7 @@ def running_time(mean: float | None, seconds: float) -> float:
     stalled by another process must not steer it for dozens).
 
     Symmetric, like the wide passes' line. Following faster timings faster than slower ones
-    (weights 0.5 and 0.2, no clip) kept the mean of a70's plain passes 1.7% under their true
+    (weights 0.5 and 0.2, no clip) kept the mean of a70's plain passes 1.5-1.9% under their true
     mean (their spread: 5-15%), so plain decoding looked that much cheaper than drafting, whose
     wide passes are priced by an unbiased fit; and a 50 ms stall lifted a 1 ms mean to 10.8."""
     if mean is None:
@@ -487,12 +487,13 @@ class AdaptivePolicy(DraftJudge):
         # What the loop spends between two passes beyond drafting and the pass (recording the
         # step, this policy's own work, the caller's rendering), after a plain step and after
         # one that drafted: every step pays it once, so a step that makes more tokens pays less
-        # of it per token. Left out, it made plain decoding look 1.5-2% cheaper than it is
-        # next to drafting on the a70 pair (2 ms passes; about 40 us a step).
+        # of it per token. Left out, plain decoding on the a70 pair (2 ms passes) looked 4%
+        # cheaper than it is with stdout to a pipe (80 us a step), 8% on a terminal (160 us),
+        # where a drafting step's 130-240 us is shared by its 3-4 tokens.
         self.plain_gap_s: float | None = None
         self.draft_gap_s: float | None = None
         self._previous_plain = False
-        self._previous_plain_draft_s = 0.0  # the limit() call of the latest plain step
+        self._previous_draft_s = 0.0  # the drafter's time at the last step (a plain one: limit())
         self._previous_drafter: str | None = None  # the source whose drafter ran at the last step
 
     STATE_VERSION = 3  # 2: pass costs as a line (pass_fit, pass_widest); 3: and the context slope
@@ -671,7 +672,7 @@ class AdaptivePolicy(DraftJudge):
         probe, self._probing = self._probing, False
         if gap_s is not None:  # (the previous step's: plain steps also pay their limit() call)
             if self._previous_plain:
-                self.plain_gap_s = running_time(self.plain_gap_s, gap_s + self._previous_plain_draft_s)
+                self.plain_gap_s = running_time(self.plain_gap_s, gap_s + self._previous_draft_s)
             else:
                 self.draft_gap_s = running_time(self.draft_gap_s, gap_s)
         state = None if source is None else self.source(source)
@@ -686,7 +687,7 @@ class AdaptivePolicy(DraftJudge):
         self.pass_cost.observe(pass_tokens, pass_s, cold, context_len)
         if steady_plain:
             self.plain_s = running_time(self.plain_s, self.pass_cost.at_no_context(1, pass_s, context_len))
-        self._previous_plain, self._previous_plain_draft_s = plain, draft_s
+        self._previous_plain, self._previous_draft_s = plain, draft_s
         if state is None:
             return
         if ran:
