@@ -7,7 +7,7 @@ import pytest
 from conftest import load
 from specli import synthetic
 from specli.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
-from specli.engine import SpeculativeDecoder
+from specli.engine import AUTO, AUTO_MAX_DRAFT, SpeculativeDecoder
 from specli.errors import IncompatibleDraftError, UsageError
 from specli.loading import ModelChoice, load as load_plan, plan
 from specli.policy import AdaptivePolicy
@@ -210,6 +210,28 @@ def test_draft_confidence_steers_auto_in_greedy_decoding_only(perturbed, tempera
     else:  # a sampled draft is judged on the acceptance per position alone
         assert proposal.confidences is None and asked == [] and len(proposal.tokens) > 0
         assert proposal.q_rows is not None and len(proposal.q_rows) == len(proposal.tokens)
+
+
+def test_the_engine_tells_auto_the_loops_time_between_passes(perturbed):
+    model_tgt, model_dft = perturbed
+    gaps = []
+
+    class Recording(AdaptivePolicy):
+        def observe(self, *args, gap_s=None, **kwargs):
+            gaps.append(gap_s)
+            super().observe(*args, gap_s=gap_s, **kwargs)
+
+    decoder = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), AUTO)
+    decoder.policy = decoder.judge = Recording(AUTO_MAX_DRAFT)
+    prompt = model_tgt.tokenize(PROMPTS[0])
+    for _ in range(2):  # each generation starts afresh: its first two steps report no gap
+        start = len(gaps)
+        gen = decoder.generate(prompt, max_tokens=24)
+        steps = sum(1 for _ in gen)
+        assert len(gaps) - start == steps >= 4
+        assert gaps[start : start + 2] == [None, None]
+        assert all(gap is not None and 0 <= gap < 1.0 for gap in gaps[start + 2 :])
+    assert decoder.policy.plain_gap_s is not None or decoder.policy.draft_gap_s is not None
 
 
 def test_context_full_stops_cleanly(pair_perturbed):

@@ -442,10 +442,11 @@ def test_what_a_policy_learnt_survives_a_round_trip_through_json():
 
     trained = AdaptivePolicy(32)
     pick = lambda rng: 0.97 if rng.random() < 0.8 else 0.2  # noqa: E731
-    simulate(trained, None, 300, t_draft=0.1, confidence=pick, cost=lambda n: cpu_cost(n) / cpu_cost(1))
+    simulate(trained, None, 300, t_draft=0.1, confidence=pick, cost=lambda n: cpu_cost(n) / cpu_cost(1), gap=0.05)
     fresh = AdaptivePolicy(32)
     fresh.restore(json.loads(json.dumps(trained.state())))
     assert fresh.plain_s == trained.plain_s and fresh.plain_s is not None
+    assert (fresh.plain_gap_s, fresh.draft_gap_s) == (trained.plain_gap_s, trained.draft_gap_s) == (0.05, 0.05)
     assert fresh.pass_cost.table(33) == trained.pass_cost.table(33)
     assert fresh.source("sim").acceptance.rates(8) == trained.source("sim").acceptance.rates(8)
     assert fresh.source("sim").t_draft == trained.source("sim").t_draft
