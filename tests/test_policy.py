@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
+from specli import policy as policy_module
 from specli.policy import (
-    PROBE_EVERY_MAX, AdaptivePolicy, ConfidenceCalibration, ContextSlope, PassCost, PositionalAcceptance,
+    PLAIN_CHECK_STEPS, PROBE_EVERY_MAX, AdaptivePolicy, ConfidenceCalibration, ContextSlope, PassCost, PositionalAcceptance,
     best_length, expected_tokens, running_time,
 )  # fmt: skip
 
@@ -341,6 +342,41 @@ def test_the_loops_time_per_step_counts_against_plain_decoding_too():
     assert sum(1 for k in late if k) > 0.9 * len(late)
     simulate(AdaptivePolicy(32), lambda step: 0.25, 3000, t_draft=0.3, gap=1.0, tell_gap=False, totals=untold)
     assert told["tokens"] / told["seconds"] > 1.05 * untold["tokens"] / untold["seconds"]
+
+
+def slow_start_cost(factor: float, slow_steps: int = 2):
+    """CPU-like pass costs (1 + 0.3 per extra token) whose first steps run `factor` times slower
+    (a process's first passes, or a stall): plain decoding gets priced from them."""
+    calls = [0]
+
+    def cost(n: int) -> float:
+        calls[0] += 1  # (simulate asks twice a step: to report the pass, and to count it)
+        return (factor if calls[0] <= 2 * slow_steps else 1.0) * (1.0 + 0.3 * (n - 1))
+
+    return cost
+
+
+def test_plain_decoding_is_timed_again_while_drafting_goes_on(monkeypatch):
+    # Drafts taken 20% of the time: one a step makes 1.2 tokens for 1.3 passes' time, 8% slower
+    # than plain decoding. But plain decoding was timed on the first two passes, which ran 1.5x
+    # slow: drafting looks 38% faster. Plain steps now and then correct it.
+    checked, unchecked = {}, {}
+    late = simulate(AdaptivePolicy(32), lambda step: 0.2, 3000, cost=slow_start_cost(1.5), totals=checked)[1500:]
+    assert sum(1 for k in late if k) < 0.1 * len(late)  # plain decoding (and its re-probes)
+    monkeypatch.setattr(policy_module, "PLAIN_CHECK_EVERY_MIN", 10**9)
+    late = simulate(AdaptivePolicy(32), lambda step: 0.2, 3000, cost=slow_start_cost(1.5), totals=unchecked)[1500:]
+    assert all(late)  # never timed again: drafts on
+    assert checked["tokens"] / checked["seconds"] > 1.1 * unchecked["tokens"] / unchecked["seconds"]
+
+
+def test_checks_of_plain_decoding_cost_little_where_drafting_pays():
+    # Drafts taken 70% of the time on a CPU-like target: drafting pays 1.2-1.3x; the checks
+    # thin out (128, 256, ... up to 1024 drafting steps apart) and cost under 1% of the tokens.
+    lengths = simulate(AdaptivePolicy(32), lambda step: 0.7, 5000, cost=lambda n: 1.0 + 0.3 * (n - 1))
+    plain_steps = sum(1 for k in lengths[100:] if k == 0)
+    assert 0 < plain_steps <= PLAIN_CHECK_STEPS * 6
+    # Where drafting is far ahead (every draft accepted, flat costs), there are none at all.
+    assert all(simulate(AdaptivePolicy(32), lambda step: 1.0, 3000)[20:])
 
 
 def test_a_running_time_follows_the_mean_of_noisy_timings_and_shrugs_off_a_stall():

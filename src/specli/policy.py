@@ -22,7 +22,10 @@ The model, in plain words:
   pass the target runs slower, its weights evicted from the CPU caches), so a policy's first two
   steps are plain. When drafting does not pay, the loop falls back to plain decoding and
   re-probes now and then with a short draft, so that a change in the text (a code block
-  starting) is noticed; a new reply, on a shorter context, is judged afresh.
+  starting) is noticed; a new reply, on a shorter context, is judged afresh. The other way
+  round, while drafting goes on plain decoding is not timed, so after PLAIN_CHECK_EVERY_MIN
+  drafting steps (the interval doubling while drafting stays ahead) a few plain steps time it
+  again, unless drafting is expected to win by more than PLAIN_CHECK_MARGIN.
 - likewise a draft model's first step after plain decoding runs on caches the plain passes
   filled: its draft and target timings count only where faster than a run of drafting steps
   measured.
@@ -64,13 +67,19 @@ PROBE_EVERY_MIN = 4  # plain steps before the first re-probe
 PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this
 PROBE_FADE = 0.1  # evidence kept when a probe's verdict is news
 PROBE_SURPRISE = 0.25  # a fully accepted probe is news only if the record gave it less than this
+PLAIN_CHECK_EVERY_MIN = 128  # drafting steps before plain decoding is timed again
+PLAIN_CHECK_EVERY_MAX = 1024  # the interval doubles after each check, back to the minimum
+# whenever the policy chooses plain decoding
+PLAIN_CHECK_STEPS = 4  # plain steps of a check: the first runs on caches the drafter filled
+PLAIN_CHECK_MARGIN = 1.5  # no check where drafting is expected to beat plain by more than this
+PLAIN_CHECK_WEIGHT = 0.5  # a check's timings replace a stale estimate faster than routine ones
 LOOKAHEAD = 8  # drafts after the current one that `keep` weighs
 WARM_UP_DRAFTS = 4  # a draft model's first steps draft (keep still judges each token): the
 # first timings of a new pass shape are slow (0.6 ms per draft token where 0.3 is usual), and a
 # gate closed on them would only reopen through re-probes
 
 
-def running_time(mean: float | None, seconds: float) -> float:
+def running_time(mean: float | None, seconds: float, weight: float = COST_EMA) -> float:
     """A running mean of a duration; a timing counts at most COST_CLIP times the mean (a pass
     stalled by another process must not steer it for dozens).
 
@@ -80,7 +89,7 @@ def running_time(mean: float | None, seconds: float) -> float:
     wide passes are priced by an unbiased fit; and a 50 ms stall lifted a 1 ms mean to 10.8."""
     if mean is None:
         return seconds
-    return mean + COST_EMA * (min(seconds, COST_CLIP * mean) - mean)
+    return mean + weight * (min(seconds, COST_CLIP * mean) - mean)
 
 
 def expected_tokens(accept: Sequence[float]) -> list[float]:
@@ -493,6 +502,16 @@ class AdaptivePolicy(DraftJudge):
         self.plain_gap_s: float | None = None
         self.draft_gap_s: float | None = None
         self._previous_plain = False
+        self._plain_run = 0  # plain steps in a row, up to the latest
+        # While drafting pays, plain decoding is not timed, and its estimate can rest on a few
+        # passes of long ago: a70's at 500 tokens of context read 2.8-2.9 ms (the last steady
+        # plain passes, one at 3.5 ms) where plain decoding took 2.4, and auto drafted on
+        # where every fixed N lost 9%. So every so many drafting steps a few plain steps time it
+        # again (the counterpart of re-probing a drafter while decoding plain).
+        self._since_plain = 0  # drafting steps since plain decoding was last timed
+        self._plain_check_every = PLAIN_CHECK_EVERY_MIN
+        self._plain_check_left = 0  # plain steps still to make for a check
+        self._plain_checking = False  # the latest plain steps are a check's
         self._previous_draft_s = 0.0  # the drafter's time at the last step (a plain one: limit())
         self._previous_drafter: str | None = None  # the source whose drafter ran at the last step
 
@@ -571,6 +590,9 @@ class AdaptivePolicy(DraftJudge):
         self._expected, self._all_accepted, self._probing = 1.0, 1.0, False
         if self.plain_s is None:
             return 0  # the first two steps of a policy's life measure plain decoding
+        if self._plain_check_left > 0:
+            self._plain_check_left -= 1
+            return 0
         if state.plain_streak and context_len < state.judged_at:
             # A new reply, on a shorter context than the one drafting was judged on: passes cost
             # less there, wide ones most (ContextSlope). Judge afresh (free: no probe).
@@ -592,11 +614,21 @@ class AdaptivePolicy(DraftJudge):
         if gated is not None:
             # A draft model: whether to look at its first token at all; `keep` gates the rest.
             k = n_max if gated > 1 / plain or state.drafting_steps < WARM_UP_DRAFTS else 0
+            rate = gated
         else:
             k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__, plain, self._start_cost(state))
+            rate = expected_tokens(self._rates[:k])[k] / (self._start_cost(state) + k * self._t_draft_now + self._costs[k + 1])
         if k > 0:
             state.plain_streak = 0  # (the probe interval shrinks back when a draft pays: observe)
+            if self._since_plain >= self._plain_check_every and rate * plain < PLAIN_CHECK_MARGIN:
+                # Time plain decoding again before drafting on (see __init__).
+                self._since_plain = 0
+                self._plain_check_every = min(self._plain_check_every * 2, PLAIN_CHECK_EVERY_MAX)
+                self._plain_check_left = PLAIN_CHECK_STEPS - 1
+                self._plain_checking = True
+                return 0
             return k
+        self._plain_check_every = PLAIN_CHECK_EVERY_MIN
         state.plain_streak += 1
         if state.plain_streak >= state.probe_every and n_max > 0:
             # Drafting has not paid lately: try a short draft to see if the text has changed.
@@ -683,10 +715,19 @@ class AdaptivePolicy(DraftJudge):
         # Plain: nothing drafted, nor a draft model run only to look (confidences == []).
         plain = n_drafted == 0 and pass_tokens == 1 and confidences is None
         steady_plain = plain and self._previous_plain
+        self._plain_run = self._plain_run + 1 if plain else 0
         cold = not steady_plain if pass_tokens == 1 else (ran and not warm and state.runs_model)
         self.pass_cost.observe(pass_tokens, pass_s, cold, context_len)
         if steady_plain:
-            self.plain_s = running_time(self.plain_s, self.pass_cost.at_no_context(1, pass_s, context_len))
+            # The second plain step after drafting still runs 3-5% slow on a70 (the first 17%):
+            # it counts only where faster than the record; later ones count as they come.
+            seconds = self.pass_cost.at_no_context(1, pass_s, context_len)
+            if self._plain_run > 2 or self.plain_s is None or seconds < self.plain_s:
+                self.plain_s = running_time(self.plain_s, seconds, PLAIN_CHECK_WEIGHT if self._plain_checking else COST_EMA)
+            self._since_plain = 0
+        elif not plain:
+            self._since_plain += 1
+        self._plain_checking = self._plain_checking and plain and self._plain_run < PLAIN_CHECK_STEPS
         self._previous_plain, self._previous_draft_s = plain, draft_s
         if state is None:
             return
