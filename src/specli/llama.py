@@ -309,15 +309,10 @@ class LlamaModel:
         non-empty context.
         """
         assert context, "sync needs at least one token"
-        common = common_prefix_len(self.cached, context)
-        if common == len(context) == len(self.cached) and self._tail_logits is not None:
+        if len(context) == len(self.cached) == common_prefix_len(self.cached, context) and self._tail_logits is not None:
             self.synced_new = 0
             return self._tail_logits
-        # The logits of an already-cached last token are gone: evaluate it again.
-        common = min(common, len(context) - 1)
-        self.truncate(common)
-        self.synced_new = len(context) - common
-        return self.eval(context[common:], logits="last")
+        return _sync(self, context)
 
     def reset(self) -> None:
         """Empty the cache."""
@@ -493,10 +488,17 @@ class SequenceView:
     def sync(self, context: Sequence[int]) -> np.ndarray:
         """As LlamaModel.sync: keep the common prefix, evaluate the rest, return the last logits."""
         assert context, "sync needs at least one token"
-        common = min(common_prefix_len(self.cached, context), len(context) - 1)
-        self.truncate(common)
-        self.synced_new = len(context) - common
-        return self.eval(context[common:], logits="last")
+        return _sync(self, context)
+
+
+def _sync(model: "LlamaModel | SequenceView", context: Sequence[int]) -> np.ndarray:
+    """Make model's cache hold exactly `context` (non-empty) and return its last token's logits:
+    keep the longest common prefix, evaluate the rest, at least the last token (the logits of an
+    already-cached one are gone). Sets model.synced_new to the tokens evaluated."""
+    common = min(common_prefix_len(model.cached, context), len(context) - 1)
+    model.truncate(common)
+    model.synced_new = len(context) - common
+    return model.eval(context[common:], logits="last")
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
