@@ -501,8 +501,7 @@ class AdaptivePolicy(DraftJudge):
         # where a drafting step's 130-240 us is shared by its 3-4 tokens.
         self.plain_gap_s: float | None = None
         self.draft_gap_s: float | None = None
-        self._previous_plain = False
-        self._plain_run = 0  # plain steps in a row, up to the latest
+        self._plain_run = 0  # plain steps in a row, up to the latest (0: the latest drafted)
         # While drafting pays, plain decoding is not timed, and its estimate can rest on a few
         # passes of long ago: a70's at 500 tokens of context read 2.8-2.9 ms (the last steady
         # plain passes, one at 3.5 ms) where plain decoding took 2.4, and auto drafted on
@@ -585,6 +584,13 @@ class AdaptivePolicy(DraftJudge):
         and the loop's time around the step."""
         return (state.start_s or 0.0) + (self.draft_gap_s or 0.0)
 
+    def _plan_rate(self, gated: float | None, k: int, state: SourceState) -> float:
+        """Tokens per second expected of this step's plan: the gated rate of a draft model, or
+        k drafts at the per-position acceptance (limit()'s figures of this step)."""
+        if gated is not None:
+            return gated
+        return expected_tokens(self._rates[:k])[k] / (self._start_cost(state) + k * self._t_draft_now + self._costs[k + 1])
+
     def limit(self, source: str, n_max: int, context_len: int = 0) -> int:
         state = self.source(source)
         self._expected, self._all_accepted, self._probing = 1.0, 1.0, False
@@ -614,13 +620,11 @@ class AdaptivePolicy(DraftJudge):
         if gated is not None:
             # A draft model: whether to look at its first token at all; `keep` gates the rest.
             k = n_max if gated > 1 / plain or state.drafting_steps < WARM_UP_DRAFTS else 0
-            rate = gated
         else:
             k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__, plain, self._start_cost(state))
-            rate = expected_tokens(self._rates[:k])[k] / (self._start_cost(state) + k * self._t_draft_now + self._costs[k + 1])
         if k > 0:
             state.plain_streak = 0  # (the probe interval shrinks back when a draft pays: observe)
-            if self._since_plain >= self._plain_check_every and rate * plain < PLAIN_CHECK_MARGIN:
+            if self._since_plain >= self._plain_check_every and self._plan_rate(gated, k, state) * plain < PLAIN_CHECK_MARGIN:
                 # Time plain decoding again before drafting on (see __init__).
                 self._since_plain = 0
                 self._plain_check_every = min(self._plain_check_every * 2, PLAIN_CHECK_EVERY_MAX)
@@ -703,7 +707,7 @@ class AdaptivePolicy(DraftJudge):
         of the previous step's pass to the start of this step (None at a generation's first)."""
         probe, self._probing = self._probing, False
         if gap_s is not None:  # (the previous step's: plain steps also pay their limit() call)
-            if self._previous_plain:
+            if self._plain_run:
                 self.plain_gap_s = running_time(self.plain_gap_s, gap_s + self._previous_draft_s)
             else:
                 self.draft_gap_s = running_time(self.draft_gap_s, gap_s)
@@ -714,7 +718,7 @@ class AdaptivePolicy(DraftJudge):
             state.runs_model = True
         # Plain: nothing drafted, nor a draft model run only to look (confidences == []).
         plain = n_drafted == 0 and pass_tokens == 1 and confidences is None
-        steady_plain = plain and self._previous_plain
+        steady_plain = plain and self._plain_run > 0
         self._plain_run = self._plain_run + 1 if plain else 0
         cold = not steady_plain if pass_tokens == 1 else (ran and not warm and state.runs_model)
         self.pass_cost.observe(pass_tokens, pass_s, cold, context_len)
@@ -728,7 +732,7 @@ class AdaptivePolicy(DraftJudge):
         elif not plain:
             self._since_plain += 1
         self._plain_checking = self._plain_checking and plain and self._plain_run < PLAIN_CHECK_STEPS
-        self._previous_plain, self._previous_draft_s = plain, draft_s
+        self._previous_draft_s = draft_s
         if state is None:
             return
         if ran:
