@@ -278,8 +278,9 @@ def aggregate(records: list[dict]) -> list[Row]:
     twins: dict[tuple, float] = {}
     for rec in records:
         groups.setdefault(rec["scenario"], {}).setdefault(rec["n_draft"], []).append(rec)
-        if rec["n_draft"] == TARGET_ONLY and _twin_key(rec) is not None:
-            twins[_twin_key(rec)] = rec["tokens_per_s"]
+        key = _twin_key(rec)
+        if rec["n_draft"] == TARGET_ONLY and key is not None:
+            twins[key] = rec["tokens_per_s"]
     rows = []
     for scenario, by_n in groups.items():
         base = by_n.get(TARGET_ONLY, [])
@@ -301,7 +302,7 @@ def _paired_speedup(recs: list[dict], twins: dict[tuple, float]) -> float | None
     """Median of tokens/s over the twin's, when every run has a twin that measured something."""
     ratios = []
     for rec in recs:
-        twin = twins.get(_twin_key(rec)) if _twin_key(rec) is not None else None
+        twin = twins.get(_twin_key(rec))  # (records without prompt/round: key None, no twin)
         if not twin or rec["tokens_per_s"] is None:
             return None
         ratios.append(rec["tokens_per_s"] / twin)
