@@ -163,6 +163,34 @@ def test_each_configuration_is_held_against_the_best_fixed_n_of_its_worst_scenar
     assert worst == pytest.approx({"auto": 0.9, 2: 0.75, 5: 0.8 / 1.2})
 
 
+def test_the_best_fixed_n_is_also_scored_on_rounds_its_pick_did_not_see():
+    # N=2 has one lucky round (2.0x); N=5 makes 1.7x every round. The sweep's best figure is
+    # N=5's 1.7x; picking on two rounds and scoring on the third picks N=2 twice (its lucky
+    # round is among the two) and scores it 1.5x there, N=5 once (1.7x): median 1.5x.
+    records = []
+    for r, lucky in enumerate((150.0, 150.0, 200.0)):
+        for n, tps in ((0, 100.0), (2, lucky), (5, 170.0), ("auto", 160.0)):
+            records.append({**record("a", n, tps), "prompt": "p", "round": r})
+    records.append({**record("b", 0, 100.0), "prompt": "p", "round": 0})  # one round: left out
+    records.append({**record("b", 2, 120.0), "prompt": "p", "round": 0})
+    assert bench.best_per_scenario(bench.aggregate(records))["a"].speedup == pytest.approx(1.7)
+    assert bench.held_out_best(records) == pytest.approx({"a": 1.5})
+
+
+def test_the_report_holds_auto_against_the_held_out_pick(capsys):
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from specli import cli_bench
+
+    rows = [row("a", 0, 1.0), row("a", "auto", 1.44), row("a", 2, 1.5), row("a", 5, 1.6)]
+    plan = SimpleNamespace(mode="lookup", target_path=Path("t.gguf"))
+    cli_bench._report(rows, {"a": 1.5}, plan, [2, 5], 3)
+    out = capsys.readouterr().out
+    assert "0.90 of the best fixed N=5 (1.60x), 0.96 of an N picked on the other rounds (1.50x)" in out
+    assert "Worst scenario against an N picked on the other rounds: auto 0.96 (a;" in out
+
+
 def test_best_overall_needs_an_n_measured_everywhere():
     assert bench.best_overall([row("a", 0, 1.0)]) is None
 
@@ -274,7 +302,8 @@ def test_bench_command_runs_every_configuration(pair_perturbed, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     doc = json.loads(out_json.read_text(encoding="utf-8"))
-    assert set(doc) == {"settings", "runs", "summary"}
+    assert set(doc) == {"settings", "runs", "summary", "held_out_best"}
+    assert doc["held_out_best"] == {}  # one round: nothing to pick N on and score it elsewhere
     assert doc["settings"]["ns"] == [1, 3] and doc["settings"]["sampling"]["greedy"] is True
     runs = doc["runs"]
     assert sorted((r["prompt"], r["n_draft"]) for r in runs) == [
