@@ -22,7 +22,9 @@ The model, in plain words:
   pass the target runs slower, its weights evicted from the CPU caches), so a policy's first two
   steps are plain. When drafting does not pay, the loop falls back to plain decoding and
   re-probes now and then with a short draft, so that a change in the text (a code block
-  starting) is noticed; a new reply, on a shorter context, is judged afresh. The other way
+  starting) is noticed, the interval doubling after each probe that did not pay up to
+  PROBE_EVERY_MAX steps, or up to where probes cost PROBE_BUDGET of the time; a new reply, on a
+  shorter context, is judged afresh. The other way
   round, while drafting goes on plain decoding is not timed, so after PLAIN_CHECK_EVERY_MIN
   drafting steps (the interval doubling while drafting stays ahead) a few plain steps time it
   again, unless drafting is expected to win by more than PLAIN_CHECK_MARGIN.
@@ -64,7 +66,9 @@ CONTEXT_PRIOR = 4 * 100.0**2  # the slope leans to 0 until passes' n * context d
 CONTEXT_CLIP = 2.0  # a pass counts at most this times its estimate (looser: the slope is being learnt)
 PROBE_LENGTH = 2
 PROBE_EVERY_MIN = 4  # plain steps before the first re-probe
-PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this
+PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this,
+PROBE_BUDGET = 0.01  # or further while a probe costs more than this share of the plain steps
+PROBE_EVERY_CEILING = 1024  # between two, up to this
 PROBE_FADE = 0.1  # evidence kept when a probe's verdict is news
 PROBE_SURPRISE = 0.25  # a fully accepted probe is news only if the record gave it less than this
 PLAIN_CHECK_EVERY_MIN = 128  # drafting steps before plain decoding is timed again
@@ -439,6 +443,7 @@ class SourceState:
     plain_streak: int = 0  # steps in a row this source was not worth drafting
     drafting_steps: int = 0  # steps that ran the drafter (counted up to WARM_UP_DRAFTS)
     probe_every: int = PROBE_EVERY_MIN
+    probe_s: float | None = None  # what a re-probe step costs beyond a plain step, running mean
     judged_at: int = 0  # the context length at the last decision on drafting
     runs_model: bool = False  # it times its drafts (a draft model, whose passes evict the target's weights)
 
@@ -527,7 +532,8 @@ class AdaptivePolicy(DraftJudge):
             "sources": {
                 name: {
                     "judged": st.acceptance.judged, "accepted": st.acceptance.accepted, "t_draft": st.t_draft,
-                    "start_s": st.start_s, "probe_every": st.probe_every, "drafting_steps": st.drafting_steps,
+                    "start_s": st.start_s, "probe_every": st.probe_every, "probe_s": st.probe_s,
+                    "drafting_steps": st.drafting_steps,
                     "cal_judged": st.calibration.judged, "cal_accepted": st.calibration.accepted,
                     "first_seen": st.calibration.first_seen,
                 }  # fmt: skip
@@ -554,7 +560,8 @@ class AdaptivePolicy(DraftJudge):
             st.start_s = None if data.get("start_s") is None else float(data["start_s"])
             st.drafting_steps = min(int(data.get("drafting_steps", 0)), WARM_UP_DRAFTS)
             # A source that was not paying keeps its long probe interval (a probe has a cost).
-            st.probe_every = min(max(int(data.get("probe_every", PROBE_EVERY_MIN)), PROBE_EVERY_MIN), PROBE_EVERY_MAX)
+            st.probe_every = min(max(int(data.get("probe_every", PROBE_EVERY_MIN)), PROBE_EVERY_MIN), PROBE_EVERY_CEILING)
+            st.probe_s = None if data.get("probe_s") is None else float(data["probe_s"])
             sources[str(name)] = st
         plain_s = state["plain_s"]
         gaps = [None if state.get(key) is None else float(state[key]) for key in ("plain_gap_s", "draft_gap_s")]
@@ -637,10 +644,21 @@ class AdaptivePolicy(DraftJudge):
         if state.plain_streak >= state.probe_every and n_max > 0:
             # Drafting has not paid lately: try a short draft to see if the text has changed.
             state.plain_streak = 0
-            state.probe_every = min(state.probe_every * 2, PROBE_EVERY_MAX)
+            state.probe_every = min(state.probe_every * 2, self._probe_every_max(state, plain))
             self._probing = True  # (what its verdict does to the record: observe)
             return min(PROBE_LENGTH, n_max)
         return 0
+
+    @staticmethod
+    def _probe_every_max(state: SourceState, plain: float) -> int:
+        """The longest re-probe interval: PROBE_EVERY_MAX steps, or as many as keep a probe's
+        extra cost within PROBE_BUDGET of the plain steps between two (at most
+        PROBE_EVERY_CEILING). On a50 a probe (the draft model's catch-up, two drafts, a
+        three-token pass) costs about 3 plain steps more than a plain step, and probes every 128
+        steps took 2% of the time where drafting never pays."""
+        if state.probe_s is None:
+            return PROBE_EVERY_MAX
+        return min(max(PROBE_EVERY_MAX, math.ceil(state.probe_s / (PROBE_BUDGET * plain))), PROBE_EVERY_CEILING)
 
     @staticmethod
     def _against_the_odds(chances: Iterable[float]) -> bool:
@@ -712,6 +730,9 @@ class AdaptivePolicy(DraftJudge):
             else:
                 self.draft_gap_s = running_time(self.draft_gap_s, gap_s)
         state = None if source is None else self.source(source)
+        if probe and state is not None and self.plain_s is not None:
+            plain_pass = self.plain_s + self.pass_cost.context_cost(1, context_len)
+            state.probe_s = running_time(state.probe_s, max(draft_s + pass_s - plain_pass, 0.0))
         ran = state is not None and (n_drafted > 0 or confidences is not None)  # (a draft model may only have looked)
         warm, self._previous_drafter = ran and self._previous_drafter == source, source if ran else None
         if state is not None and (token_s is not None or first_s is not None):
