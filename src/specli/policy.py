@@ -580,11 +580,14 @@ class AdaptivePolicy(DraftJudge):
             return state.t_draft
         return PRIOR_DRAFT_COST * self.pass_cost(1)
 
-    def _plain_at(self, context_len: int) -> float:
-        """What a plain step costs after context_len tokens: its pass (plain_s is kept as at no
-        context) and the loop's time around it."""
+    def _plain_pass_at(self, context_len: int) -> float:
+        """What a plain pass costs after context_len tokens (plain_s is kept as at no context)."""
         assert self.plain_s is not None
-        return self.plain_s + self.pass_cost.context_cost(1, context_len) + (self.plain_gap_s or 0.0)
+        return self.plain_s + self.pass_cost.context_cost(1, context_len)
+
+    def _plain_at(self, context_len: int) -> float:
+        """What a plain step costs after context_len tokens: its pass and the loop's time around it."""
+        return self._plain_pass_at(context_len) + (self.plain_gap_s or 0.0)
 
     def _start_cost(self, state: SourceState) -> float:
         """What a step that drafts pays beyond its draft tokens and its pass: the drafter's start
@@ -731,8 +734,7 @@ class AdaptivePolicy(DraftJudge):
                 self.draft_gap_s = running_time(self.draft_gap_s, gap_s)
         state = None if source is None else self.source(source)
         if probe and state is not None and self.plain_s is not None:
-            plain_pass = self.plain_s + self.pass_cost.context_cost(1, context_len)
-            state.probe_s = running_time(state.probe_s, max(draft_s + pass_s - plain_pass, 0.0))
+            state.probe_s = running_time(state.probe_s, max(draft_s + pass_s - self._plain_pass_at(context_len), 0.0))
         ran = state is not None and (n_drafted > 0 or confidences is not None)  # (a draft model may only have looked)
         warm, self._previous_drafter = ran and self._previous_drafter == source, source if ran else None
         if state is not None and (token_s is not None or first_s is not None):
