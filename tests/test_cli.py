@@ -90,12 +90,24 @@ def test_auto_keeps_its_measurements_for_the_next_run(tmp_path, pair_perturbed):
     assert first.returncode == 0, first.stderr
     (state_file,) = cache.glob("policy-*.json")
     state = json.loads(state_file.read_text())
-    assert state["version"] == 3 and state["pass_mean"] and state["plain_s"] > 0
-    state_file.write_text("{ not json")  # a damaged cache is not an error: the run starts afresh
-    again = specli(*args, env={"SPECLI_CACHE_DIR": str(cache)})
-    assert again.returncode == 0 and again.stderr.count("\n") == 1, again.stderr
-    assert json.loads(again.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
-    assert json.loads(state_file.read_text())["version"] == 3  # rewritten whole
+    assert state["version"] == 4 and state["passes"]["1"]["s"] > 0 and state["key"]["mode"] == "draft-model"
+    listed = specli("cache", "--json", env={"SPECLI_CACHE_DIR": str(cache)})
+    assert listed.returncode == 0 and json.loads(listed.stdout)[0]["pass_ms"]["1"]["ms"] > 0
+    for damage in ("{ not json", "[" * 200000, state_file.read_text().replace('"s": ', '"s": -', 1)):
+        state_file.write_text(damage)  # a damaged cache is not an error: the run starts afresh
+        again = specli(*args, env={"SPECLI_CACHE_DIR": str(cache)})
+        assert again.returncode == 0, again.stderr
+        lines = again.stderr.strip().splitlines()  # the notice, then the summary line
+        assert len(lines) == 2 and "ignored the saved -n auto measurements" in lines[0], again.stderr
+        assert json.loads(again.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
+        assert json.loads(state_file.read_text())["version"] == 4  # rewritten whole, from this run alone
+    state_file.write_text("{ not json")
+    listed = specli("cache", env={"SPECLI_CACHE_DIR": str(cache)})
+    assert "ignored: it is not JSON" in listed.stdout
+    verbose = specli(*args, "--verbose", env={"SPECLI_CACHE_DIR": str(cache)})
+    assert "ignored the saved -n auto measurements" in verbose.stderr and "it is not JSON" in verbose.stderr
+    cleared = specli("cache", "--clear", env={"SPECLI_CACHE_DIR": str(cache)})
+    assert cleared.returncode == 0 and "removed 1 file" in cleared.stderr and not list(cache.glob("policy-*"))
     fixed = specli(*args, "-n", "4", env={"SPECLI_CACHE_DIR": str(tmp_path / "other")})
     assert fixed.returncode == 0 and not (tmp_path / "other").exists()  # a fixed -n measures nothing
 

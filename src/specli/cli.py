@@ -87,15 +87,20 @@ def parse_n_draft(text: str | None) -> int | str | None:
         raise UsageError(f"-n must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step; {err}") from None
 
 
-def _load(the_plan, choice: ModelChoice, *, quiet: bool):
-    """Load the plan's models, with a spinner on a terminal."""
+def _load(the_plan, choice: ModelChoice, *, quiet: bool, verbose: bool = False):
+    """Load the plan's models, with a spinner on a terminal; say so when saved measurements
+    were ignored (--verbose: why)."""
     from .ui import stderr_console
 
     if quiet or not sys.stderr.isatty():
-        return load(the_plan, choice)
-    names = the_plan.target_path.name + (f" and {the_plan.draft_path.name}" if the_plan.draft_path else "")
-    with stderr_console().status(f"loading {names}"):
-        return load(the_plan, choice)
+        loaded = load(the_plan, choice)
+    else:
+        names = the_plan.target_path.name + (f" and {the_plan.draft_path.name}" if the_plan.draft_path else "")
+        with stderr_console().status(f"loading {names}"):
+            loaded = load(the_plan, choice)
+    if loaded.policy_notice and not quiet:
+        print(loaded.policy_notice + (f": {loaded.policy_problem}" if verbose else ""), file=sys.stderr)
+    return loaded
 
 
 def _read_prompt(prompt: Optional[str]) -> str:
@@ -152,7 +157,7 @@ def run(
     text = _read_prompt(prompt)
     init_backend(verbose=verbose)
     the_plan = plan(choice)
-    loaded = _load(the_plan, choice, quiet=quiet)
+    loaded = _load(the_plan, choice, quiet=quiet, verbose=verbose)
     try:
         model_tgt = loaded.model_tgt
         prompt_ids = model_tgt.tokenize(text, add_bos=model_tgt.vocab_info().add_bos)
@@ -242,7 +247,7 @@ def chat(
     if template is not None:
         check_template_name(template)  # before the (slow) load
     the_plan = plan(choice)
-    loaded = _load(the_plan, choice, quiet=quiet)
+    loaded = _load(the_plan, choice, quiet=quiet, verbose=verbose)
     try:
         formatter, notice = choose_formatter(loaded.model_tgt, template)
         if notice and not quiet:

@@ -83,7 +83,7 @@ def batch_command(
     the_plan = plan(choice)
     if previous is not None and not quiet:
         print(_resume_notice(out_path, previous, entries), file=sys.stderr)
-    loaded = _load(the_plan, choice, quiet=quiet)
+    loaded = _load(the_plan, choice, quiet=quiet, verbose=verbose)
     try:
         summary = _run(loaded, the_plan, choice, entries, previous, out_path, parallel, quiet=quiet or verbose)
     finally:

@@ -71,7 +71,7 @@ def bench_command(
         _require_matplotlib()  # before the (slow) measurement, not after it
     init_backend(verbose=verbose)
     the_plan = plan(choice)
-    loaded = _load(the_plan, choice, quiet=quiet)
+    loaded = _load(the_plan, choice, quiet=quiet, verbose=verbose)
     try:
         records = _measure(loaded, prompts, ns, repeat, max_tokens, choice.sampling, quiet=quiet or verbose)
     finally:

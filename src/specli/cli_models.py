@@ -458,3 +458,124 @@ def _print_fit(est, memory, placement, ok, need, suggestions) -> None:
     for s in suggestions:
         console.print(f"- {s.detail}:", highlight=False)
         console.print(f"    {s.command}", highlight=False, markup=False, soft_wrap=True)
+
+
+# --- specli cache --------------------------------------------------------------------------------
+
+
+def _ago(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return "just now"
+
+
+def cache_json(now: float) -> list[dict]:
+    """Every policy file in the cache folder: what it is for and what it holds, or why it is
+    ignored (the same check a run makes)."""
+    from . import policy_store
+    from .loading import cache_dir, read_policy_file
+    from .policy import PositionalAcceptance
+
+    out = []
+    folder = cache_dir()
+    for path in sorted(folder.glob("policy-*.json")) if folder.is_dir() else []:
+        row: dict = {"file": str(path)}
+        try:
+            saved = read_policy_file(path)
+        except policy_store.Rejected as err:
+            row["ignored"] = str(err)
+            out.append(row)
+            continue
+        if saved is None:
+            continue
+        sources = {}
+        for name, record in saved.sources.items():
+            acceptance = PositionalAcceptance(len(record.acceptance))
+            for i, (judged, accepted) in enumerate(record.acceptance):
+                acceptance.judged[i], acceptance.accepted[i] = judged, accepted
+            sources[name] = {
+                "draft_token_ms": None if record.t_draft is None else record.t_draft.seconds * 1000,
+                "draft_start_ms": None if record.start_s is None else record.start_s.seconds * 1000,
+                "acceptance_prior": [round(r, 3) for r in acceptance.rates(len(record.acceptance))],
+                "acceptance_weight": [round(j, 3) for j, _ in record.acceptance],
+            }
+        row.update(
+            key=saved.key,
+            saved_at=saved.saved_at,
+            pass_ms={
+                str(n): {"ms": c.seconds * 1000, "samples": c.samples, "measured_at": c.at}
+                for n, c in sorted(saved.passes.items())
+            },
+            context_us_per_token={"one_token_pass": saved.context_one * 1e6, "wide_pass": saved.context_wide * 1e6},
+            cpu_per_second=saved.utilization,
+            sources=sources,
+        )
+        out.append(row)
+    return out
+
+
+def _print_cache(rows: list[dict], now: float) -> None:
+    from .loading import cache_dir
+
+    print(f"{cache_dir()}: {len(rows)} file(s) of -n auto measurements")
+    for row in rows:
+        print()
+        if "ignored" in row:
+            print(f"{row['file']}\n  ignored: {row['ignored']} (the next run replaces it; `specli cache --clear` removes it)")
+            continue
+        key = row["key"]
+        target = os.path.basename(str(key.get("target", "?")))
+        drafter = key.get("mode", "?") + (f" {os.path.basename(str(key['draft']))}" if key.get("draft") else "")
+        threads = key.get("threads") or "default"
+        print(f"{target}, {drafter}, threads {threads}, ngl {key.get('ngl', '?')}: saved {_ago(now - row['saved_at'])}")
+        print(f"  {row['file']}")
+        if row["pass_ms"]:
+            print("  target pass over n tokens, ms at no context (samples, when):")
+            print("   " + "  ".join(
+                f"{n}: {p['ms']:.2f} ({p['samples']}, {_ago(now - p['measured_at'])})" for n, p in row["pass_ms"].items()
+            ))  # fmt: skip
+        ctx = row["context_us_per_token"]
+        print(f"  each token of context adds {ctx['one_token_pass']:.3f} us to a one-token pass, "
+              f"{ctx['wide_pass']:.3f} us per token to a wider one")  # fmt: skip
+        if row["cpu_per_second"] is not None:
+            print(f"  CPU use of an uncontended pass: {row['cpu_per_second']:.2f} s per s (less marks a busy machine)")
+        for name, src in row["sources"].items():
+            costs = [f"{label} {src[k]:.3f} ms" for label, k in (("a draft token", "draft_token_ms"), ("a start", "draft_start_ms"))
+                     if src[k] is not None]  # fmt: skip
+            prior = " ".join(f"{r:.2f}" for r in src["acceptance_prior"][:8])
+            print(f"  {name}: {', '.join(costs) or 'no draft cost measured'}; "
+                  f"acceptance by position, a weak prior for the next run: {prior or '-'}")  # fmt: skip
+
+
+@app.command("cache")
+def cache_cmd(
+    clear: bool = typer.Option(False, "--clear", help="Forget every saved measurement (the next runs start fresh)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON array instead of text."),
+) -> int:
+    """Show what `-n auto` has learnt per target and drafter (pass costs, acceptance, when and
+    from how many samples), or forget it with --clear."""
+    import time
+
+    from .loading import cache_dir
+
+    now = time.time()
+    if clear:
+        folder = cache_dir()
+        removed = 0
+        for path in [*folder.glob("policy-*.json"), *folder.glob(".policy-*.tmp")] if folder.is_dir() else []:
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                raise SpecliError(f"cannot remove {path}: {err.strerror}; check its permissions") from None
+        print(f"specli: removed {removed} file(s) of -n auto measurements from {folder}", file=sys.stderr)
+        return 0
+    rows = cache_json(now)
+    if json_out:
+        print(json.dumps(rows, ensure_ascii=False))
+    else:
+        _print_cache(rows, now)
+    return 0

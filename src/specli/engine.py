@@ -226,8 +226,10 @@ class SpeculativeDecoder:
             draft = proposal.tokens
             assert len(draft) <= k
             t_verify = time.perf_counter()
+            cpu_verify = time.process_time()  # (CPU use per second of the pass tells contention)
             assert len(model_tgt.cached) == len(context) - 1
             logits_tgt = model_tgt.eval([context[-1], *draft], logits="all")
+            cpu_s = time.process_time() - cpu_verify
             verdict = self._verify(logits_tgt, proposal, context, rng)
             # Keep the cache = context before the new `last` (the target's own token).
             model_tgt.truncate(len(context) + verdict.n_accepted)
@@ -238,7 +240,7 @@ class SpeculativeDecoder:
                 self.judge.observe(proposal.source, len(draft), verdict.n_accepted, proposal.confidences,
                                    t_verify - t_draft, len(draft) + 1, t_done - t_verify, proposal.token_s,
                                    proposal.first_s, len(context),
-                                   gap_s=None if t_previous_pass is None else t_draft - t_previous_pass)  # fmt: skip
+                                   gap_s=None if t_previous_pass is None else t_draft - t_previous_pass, cpu_s=cpu_s)  # fmt: skip
             # (not after the first step: what follows it includes one-off work, such as the
             # live status's first drawing, 1 ms on a terminal)
             t_previous_pass = t_done if gen.token_ids else None

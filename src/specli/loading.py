@@ -8,10 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
+from . import __version__, policy_store
 from .compat import check_compatible
 from .drafters import DraftModelDrafter, Drafter, HybridDrafter, PromptLookupDrafter
 from .engine import AUTO, MAX_DRAFT, SpeculativeDecoder
@@ -69,42 +70,71 @@ class Loaded:
     model_dft: LlamaModel | None
     decoder: SpeculativeDecoder
     policy_path: Path | None = None  # where `-n auto`'s measurements are kept between runs
+    policy_key: dict | None = None  # what they are for (shown by `specli cache`)
+    # A saved file that was ignored: one line for stderr, and why (for --verbose).
+    policy_notice: str | None = None
+    policy_problem: str | None = None
 
     def close(self) -> None:
         if self.decoder.policy is not None and self.policy_path is not None:
-            save_policy_state(self.policy_path, self.decoder.policy.state())
+            saved = self.decoder.policy.saved(time.time(), self.policy_key)
+            if saved is not None:
+                save_policy_state(self.policy_path, saved)
         for model in (self.model_dft, self.model_tgt):
             if model is not None:
                 model.close()
 
 
+def cache_dir() -> Path:
+    """$SPECLI_CACHE_DIR, else $XDG_CACHE_HOME/specli, else ~/.cache/specli."""
+    return Path(os.environ.get("SPECLI_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specli")
+
+
+def policy_key(p: Plan, choice: ModelChoice) -> dict:
+    """What a policy file is for: its costs depend on the files, the drafter and the
+    thread/offload setting."""
+    return {
+        "target": str(p.target_path.resolve()), "target_size": p.target_path.stat().st_size,
+        "draft": str(p.draft_path.resolve()) if p.draft_path else None,
+        "draft_size": p.draft_path.stat().st_size if p.draft_path else None,
+        "mode": p.mode, "threads": choice.threads, "ngl": choice.ngl, "draft_ngl": choice.draft_ngl, "specli": __version__,
+    }  # fmt: skip
+
+
 def policy_state_path(p: Plan, choice: ModelChoice) -> Path:
-    """Where `-n auto` keeps what it measured for this pair on this machine: in
-    $SPECLI_CACHE_DIR, else $XDG_CACHE_HOME/specli, else ~/.cache/specli; one file per target,
-    drafter and thread/offload setting (its costs depend on all of them)."""
-    root = os.environ.get("SPECLI_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specli"
+    """Where `-n auto` keeps what it measured for this pair on this machine: one file per
+    target, drafter and thread/offload setting, in cache_dir()."""
     files = [p.target_path, *([p.draft_path] if p.draft_path else [])]
     facts = [[str(f.resolve()), f.stat().st_size] for f in files]
-    key = json.dumps([__version__, p.mode, facts, choice.threads, choice.ngl, choice.draft_ngl])
-    return Path(root) / f"policy-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+    key = json.dumps([policy_store.VERSION, p.mode, facts, choice.threads, choice.ngl, choice.draft_ngl])
+    return cache_dir() / f"policy-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
-def load_policy_state(path: Path) -> dict | None:
-    """An earlier run's measurements, or None (missing or unreadable files are not an error:
-    the policy then starts from its priors)."""
+def read_policy_file(path: Path) -> policy_store.Saved | None:
+    """A saved file, checked whole (None: there is none). Raises policy_store.Rejected saying
+    why it cannot be used. Only a regular file is read, and at most MAX_BYTES of it."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+        if not path.is_file():
+            return None
+        with path.open("rb") as handle:
+            data = handle.read(policy_store.MAX_BYTES + 1)
+    except OSError as err:
+        raise policy_store.Rejected(f"it cannot be read ({err.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise policy_store.Rejected("it is not UTF-8 text") from None
+    return policy_store.parse(text)
 
 
-def save_policy_state(path: Path, state: dict) -> None:
+def save_policy_state(path: Path, saved: policy_store.Saved) -> None:
     """Write atomically (concurrent runs never see half a file); a cache that cannot be written
     only costs the next run its head start."""
     try:
+        text = policy_store.dumps(saved)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, [json.dumps(state)])
-    except OSError:
+        write_atomically(path, [text])
+    except (OSError, ValueError):
         pass
 
 
@@ -170,18 +200,25 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
         elif p.mode == LOOKUP:
             drafter = PromptLookupDrafter()
         decoder = SpeculativeDecoder(model_tgt, drafter, p.n_draft, p.sampling)
-        policy_path = None
+        loaded = Loaded(p, model_tgt, model_dft, decoder)
         if decoder.adaptive:
-            policy_path = policy_state_path(p, choice)
-            state = load_policy_state(policy_path)
-            if state is not None:
-                try:
-                    decoder.policy.restore(state)
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    pass  # another version or a damaged file: start from the priors
+            loaded.policy_path, loaded.policy_key = policy_state_path(p, choice), policy_key(p, choice)
+            try:
+                saved = read_policy_file(loaded.policy_path)
+            except policy_store.Rejected as err:
+                # Never a reason to fail or slow a run: start fresh; the run's own measurements
+                # replace the file when it ends.
+                loaded.policy_problem = str(err)
+                loaded.policy_notice = (
+                    f"specli: ignored the saved -n auto measurements in {loaded.policy_path} (damaged); "
+                    "this run starts fresh and replaces them"
+                )
+            else:
+                if saved is not None:
+                    decoder.policy.seed(saved)
     except BaseException:
         if model_dft is not None:
             model_dft.close()
         model_tgt.close()
         raise
-    return Loaded(p, model_tgt, model_dft, decoder, policy_path)
+    return loaded

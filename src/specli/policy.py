@@ -21,10 +21,13 @@ The model, in plain words:
   cost is measured on its own (a plain pass after a plain pass: right after a draft model's
   pass the target runs slower, its weights evicted from the CPU caches), so a policy's first two
   steps are plain. When drafting does not pay, the loop falls back to plain decoding and
-  re-probes now and then with a short draft, so that a change in the text (a code block
-  starting) is noticed, the interval doubling after each probe that did not pay up to
-  PROBE_EVERY_MAX steps, or up to where probes cost PROBE_BUDGET of the time; a new reply, on a
-  shorter context, is judged afresh. The other way
+  re-probes with a short draft, so that a change in the text (a code block starting) is
+  noticed within tens of tokens: probes are paid from a budget that grows by PROBE_BUDGET of
+  the time spent (a probe that did not pay costs its loss against a plain step), so where
+  drafting never pays they take at most that share of the time; a new reply, on a shorter
+  context, is judged afresh. Prompt lookup tells how long its match is: drafts from long
+  matches (LONG_MATCH tokens or more) keep a record of their own, so text that copies is
+  recognised at once even where short matches fail. The other way
   round, while drafting goes on plain decoding is not timed, so after PLAIN_CHECK_EVERY_MIN
   drafting steps (the interval doubling while drafting stays ahead) a few plain steps time it
   again, unless drafting is expected to win by more than PLAIN_CHECK_MARGIN.
@@ -41,6 +44,13 @@ The model, in plain words:
   confidence calibration (how far the draft model can be trusted, a property of the pair) only
   when it was against the calibration's odds.
 
+Between runs (policy_store.py) only what belongs to the machine and the pair is kept, and
+a run trusts it only as far as its own passes confirm it: the first SEED_CHECKS passes of each
+kind (one-token, wide) are compared with what the saved costs predict, and when their median
+is off by more than SEED_TRUST the saved state is dropped and the run goes on as from a fresh
+start. Passes slowed by other processes (their CPU use per second under CONTENDED times the
+usual) are not saved; a pass is never charged more than PLAUSIBLE one-token passes per token.
+
 Everything here is pure bookkeeping and arithmetic on numbers handed in by the engine: no
 timing is taken here, so the policy is tested on simulated costs and acceptances.
 """
@@ -48,8 +58,12 @@ timing is taken here, so the policy is tested on simulated costs and acceptances
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
+
+from .policy_store import PLAUSIBLE, SAVED_ACCEPT_WEIGHT, SAVED_CALIBRATION_WEIGHT, Cost, Saved, SourceRecord
 
 # Before anything is measured: an optimistic acceptance (so the first steps draft and learn),
 # a target pass cost growing by 10% per extra token, and a draft token at 10% of a pass.
@@ -65,10 +79,19 @@ CONTEXT_FORGET = 0.995  # weight of a pass in the context slope per newer pass (
 CONTEXT_PRIOR = 4 * 100.0**2  # the slope leans to 0 until passes' n * context differ this much
 CONTEXT_CLIP = 2.0  # a pass counts at most this times its estimate (looser: the slope is being learnt)
 PROBE_LENGTH = 2
-PROBE_EVERY_MIN = 4  # plain steps before the first re-probe
-PROBE_EVERY_MAX = 128  # the interval doubles after each probe that did not pay, up to this,
-PROBE_BUDGET = 0.01  # or further while a probe costs more than this share of the plain steps
-PROBE_EVERY_CEILING = 1024  # between two, up to this
+PROBE_EVERY_MIN = 4  # plain steps before a re-probe, at least
+PROBE_BUDGET = 0.02  # probes that do not pay take at most this share of the time,
+PROBE_CREDIT = 3.0  # plus at most this many plain steps' worth saved up while none was due
+LONG_MATCH = 16  # a lookup draft copied after a match this long is judged on a record of its own
+LONG_SUFFIX = ":long"  # (named like its drafter, with this suffix)
+SEED_TRUST = 1.5  # saved costs are dropped when a run's own passes differ by more than this factor
+SEED_CHECKS = 3  # own passes of each kind (one-token, wide) that confirm or refute them
+SEED_WEIGHT = 2.0  # pseudo-passes a saved pass cost counts as
+SEED_WATCH = 256  # steps after which saved costs that were never refuted are taken as confirmed
+CONTENDED = 0.8  # a pass using less CPU per second than this share of the usual was slowed down
+SAMPLES_KEPT = 31  # recent uncontended timings per pass size, whose median is saved
+MIN_SAMPLES_SAVED = 1  # timings a pass size needs before its median is saved (the next run checks it)
+LONG_MATCH_ACCEPT = 0.9  # the prior acceptance of drafts copied after a long match
 PROBE_FADE = 0.1  # evidence kept when a probe's verdict is news
 PROBE_SURPRISE = 0.25  # a fully accepted probe is news only if the record gave it less than this
 PLAIN_CHECK_EVERY_MIN = 128  # drafting steps before plain decoding is timed again
@@ -142,6 +165,7 @@ class ContextSlope:
         self._num = 0.0  # sum over sizes of the centred w x t
         self._den = 0.0  # sum over sizes of the centred w x^2
         self._clock = 0  # passes seen
+        self.prior = 0.0  # the slope it leans to until contexts differ enough (a saved one, or 0)
 
     @staticmethod
     def _centred(sums: list[float]) -> tuple[float, float]:
@@ -176,25 +200,12 @@ class ContextSlope:
     @property
     def slope(self) -> float:
         """B in seconds per token per token of context (never negative)."""
-        return max(self._num / (max(self._den, 0.0) + CONTEXT_PRIOR), 0.0)
+        return max((self._num + CONTEXT_PRIOR * self.prior) / (max(self._den, 0.0) + CONTEXT_PRIOR), 0.0)
 
-    def state(self) -> dict:
-        """What was measured, as JSON-ready data (PassCost.state embeds it)."""
-        return {"context_sizes": {str(n): list(v) for n, v in self._sizes.items()}, "context_clock": self._clock}
-
-    def load(self, state: dict) -> None:
-        """Start from `state()` of another run; raises KeyError/ValueError/TypeError on data of
-        another shape."""
-        sizes = {int(n): [float(x) for x in v] for n, v in state["context_sizes"].items()}
-        if any(len(v) != 6 for v in sizes.values()):
-            raise ValueError("another shape")
-        self._sizes, self._clock = sizes, int(state["context_clock"])
-        self._num = self._den = 0.0
-        for sums in sizes.values():
-            fade = CONTEXT_FORGET ** (self._clock - sums[5])
-            num, den = self._centred(sums)
-            self._num += num * fade
-            self._den += den * fade
+    @property
+    def learnt(self) -> bool:
+        """Whether the run's own passes have told the slope more than the prior has."""
+        return self._den > CONTEXT_PRIOR
 
 
 class PassCost:
@@ -221,17 +232,28 @@ class PassCost:
         # One-token passes grow faster with the context than wide ones do per token (the a70
         # target in the loop: 1.2-1.6 us against 0.7-0.8 us per token per token of context).
         self.context_one, self.context_wide = ContextSlope(), ContextSlope()
+        # The run's own recent timings per size, as at no context, with the CPU use per second
+        # of each (None where not measured): what is saved, as medians of the uncontended ones.
+        self.samples: dict[int, deque[tuple[float, float | None]]] = {}
 
-    def observe(self, n_tokens: int, seconds: float, cold: bool = False, context: int = 0) -> None:
-        """A pass over n_tokens after `context` tokens took `seconds`. `cold`: it ran in another
-        regime than the one its size is priced for (a wide pass after a step that ran no draft
-        model, a one-token pass other than plain after plain): it counts at most as the line's
-        estimate, and not towards the context slope (such passes come late in a reply, where
-        drafting stops paying, and would pass their slowness off as the context's)."""
-        assert n_tokens >= 1 and seconds >= 0
+    def observe(self, n_tokens: int, seconds: float, cold: bool = False, context: int = 0,
+                utilization: float | None = None) -> None:  # fmt: skip
+        """A pass over n_tokens after `context` tokens took `seconds` (using `utilization` CPU
+        seconds per second). `cold`: it ran in another regime than the one its size is priced
+        for (a wide pass after a step that ran no draft model, a one-token pass other than plain
+        after plain): it counts at most as the line's estimate, and not towards the context slope
+        (such passes come late in a reply, where drafting stops paying, and would pass their
+        slowness off as the context's), nor is it saved."""
+        assert n_tokens >= 1 and seconds >= 0 and math.isfinite(seconds)
+        if 1 in self._mean and n_tokens > 1:
+            # A wide pass is never charged more than PLAUSIBLE one-token passes per token: what
+            # is above that is a stall, not the pass.
+            seconds = min(seconds, PLAUSIBLE * n_tokens * (self._mean[1] + self.context_cost(1, context)))
         if not cold:
             self._context_slope(n_tokens).observe(n_tokens, seconds, context)
         seconds = self.at_no_context(n_tokens, seconds, context)
+        if not cold:
+            self.samples.setdefault(n_tokens, deque(maxlen=SAMPLES_KEPT)).append((seconds, utilization))
         self._mean[n_tokens] = running_time(self._mean.get(n_tokens), seconds)
         if n_tokens >= 2:
             if self._fit[0] >= 3:
@@ -253,24 +275,25 @@ class PassCost:
         """A timing taken after `context` tokens, as it would be with none (at least a tenth of it)."""
         return max(seconds - self.context_cost(n_tokens, context), 0.1 * seconds)
 
-    def state(self) -> dict:
-        """What was measured, as JSON-ready data (AdaptivePolicy.state embeds it)."""
-        return {"pass_mean": {str(n): t for n, t in self._mean.items()}, "pass_fit": list(self._fit),
-                "pass_widest": self._widest, "context_one": self.context_one.state(),
-                "context_wide": self.context_wide.state()}  # fmt: skip
+    def seed(self, n_tokens: int, seconds: float, weight: float = SEED_WEIGHT) -> None:
+        """Start from a saved cost: a pass over n_tokens at no context takes `seconds`, counted as
+        `weight` passes (the run's own passes soon outweigh it). Not a sample of this run."""
+        self._mean[n_tokens] = seconds if n_tokens not in self._mean else self._mean[n_tokens]
+        if n_tokens >= 2:
+            w, wn, wnn, wt, wnt = self._fit
+            self._fit = [w + weight, wn + weight * n_tokens, wnn + weight * n_tokens**2, wt + weight * seconds,
+                         wnt + weight * n_tokens * seconds]  # fmt: skip
+            self._widest = max(self._widest, n_tokens)
 
-    def load(self, state: dict) -> None:
-        """Start from what another run measured (`state()`); raises KeyError/ValueError/TypeError
-        on data of another shape."""
-        mean = {int(n): float(t) for n, t in state["pass_mean"].items()}
-        fit = [float(x) for x in state["pass_fit"]]
-        if len(fit) != 5:
-            raise ValueError("another shape")
-        one, wide = ContextSlope(), ContextSlope()
-        one.load(state["context_one"])
-        wide.load(state["context_wide"])
-        self._mean, self._fit, self._widest = mean, fit, float(state["pass_widest"])
-        self.context_one, self.context_wide = one, wide
+    def medians(self, usual_utilization: float | None) -> dict[int, tuple[float, int]]:
+        """Per size: the median of the recent timings not slowed by other processes (CPU use
+        per second at least CONTENDED times `usual_utilization`), and how many there were."""
+        out = {}
+        for n, kept in self.samples.items():
+            good = [s for s, u in kept if usual_utilization is None or u is None or u >= CONTENDED * usual_utilization]
+            if len(good) >= MIN_SAMPLES_SAVED:
+                out[n] = (statistics.median(good), len(good))
+        return out
 
     @property
     def measured(self) -> bool:
@@ -334,9 +357,10 @@ class PositionalAcceptance:
     ago, drifts back to its neighbour's estimate and gets tried again.
     """
 
-    def __init__(self, max_positions: int) -> None:
+    def __init__(self, max_positions: int, prior: float = PRIOR_ACCEPT) -> None:
         self.judged = [0.0] * max_positions
         self.accepted = [0.0] * max_positions
+        self.prior = prior
 
     def observe(self, n_drafted: int, n_accepted: int) -> None:
         # Positions 0 .. n_accepted were judged (the last of them rejected unless all passed);
@@ -352,7 +376,7 @@ class PositionalAcceptance:
         self.accepted = [a * keep for a in self.accepted]
 
     def rates(self, n: int) -> list[float]:
-        out, previous = [], PRIOR_ACCEPT
+        out, previous = [], self.prior
         for i in range(min(n, len(self.judged))):
             previous = (self.accepted[i] + PRIOR_WEIGHT * previous) / (self.judged[i] + PRIOR_WEIGHT)
             out.append(previous)
@@ -442,10 +466,13 @@ class SourceState:
     start_s: float | None = None  # what a step that drafts pays on top of its tokens, running mean
     plain_streak: int = 0  # steps in a row this source was not worth drafting
     drafting_steps: int = 0  # steps that ran the drafter (counted up to WARM_UP_DRAFTS)
-    probe_every: int = PROBE_EVERY_MIN
     probe_s: float | None = None  # what a re-probe step costs beyond a plain step, running mean
     judged_at: int = 0  # the context length at the last decision on drafting
     runs_model: bool = False  # it times its drafts (a draft model, whose passes evict the target's weights)
+    # This run's own timings of t_draft and start_s, from steps whose pass was not contended:
+    # their medians are what is saved.
+    t_draft_samples: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
+    start_samples: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
 
 
 class DraftJudge:
@@ -453,9 +480,10 @@ class DraftJudge:
 
     wants_confidence = False  # whether `keep` is to be asked (it needs the draft's probabilities)
 
-    def limit(self, source: str, n_max: int, context_len: int = 0) -> int:
+    def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0) -> int:
         """How many tokens of `source` are worth proposing now (0 = none), at most n_max, the
-        context being context_len tokens long."""
+        context being context_len tokens long; `match`: how many tokens at the end of the
+        context repeat the earlier text the drafts are copied from (prompt lookup; 0 = none)."""
         return n_max
 
     def keep(self, source: str, position: int, confidence: float) -> bool:
@@ -518,61 +546,103 @@ class AdaptivePolicy(DraftJudge):
         self._plain_checking = False  # the latest plain steps are a check's
         self._previous_draft_s = 0.0  # the drafter's time at the last step (a plain one: limit())
         self._previous_drafter: str | None = None  # the source whose drafter ran at the last step
+        # Probing is paid from one budget: PROBE_BUDGET of every step's time, spent by each probe
+        # that did not pay (its time beyond the plain steps that would have made its tokens),
+        # saved up to PROBE_CREDIT plain steps (None: full).
+        self._credit: float | None = None
+        self._bucket: dict[str, str] = {}  # per drafter: the record its latest limit() used
+        self._utilizations: deque[float] = deque(maxlen=64)  # CPU use per second of recent passes
+        # Saved costs (seed) and how far this run has confirmed them: the ratios of its own
+        # passes to what they predicted, per kind; the run's own passes, to start over from
+        # them if the saved costs are dropped.
+        self._seed: Saved | None = None
+        self._seed_model: PassCost | None = None
+        self._seed_status: str | None = None
+        self._seed_ratios: dict[str, list[float]] = {"one": [], "wide": []}
+        self._own_passes: list[tuple[int, float, bool, int, float | None, bool]] = []
+        self._steps = 0
 
-    STATE_VERSION = 3  # 2: pass costs as a line (pass_fit, pass_widest); 3: and the context slope
+    def seed(self, saved: Saved) -> None:
+        """Start from what earlier runs measured (policy_store.parse has checked it). Saved costs
+        count as a few passes; until the run's own passes confirm them (`_check_seed`) they can
+        be dropped whole."""
+        model = PassCost()
+        wide = [n for n in saved.passes if n > 1]
+        for cost in (self.pass_cost, model):
+            for n in sorted(saved.passes):
+                # The wide sizes share a few passes' weight between them: the run's own passes
+                # outweigh them within a few dozen steps.
+                cost.seed(n, saved.passes[n].seconds, SEED_WEIGHT if n == 1 else 3 * SEED_WEIGHT / len(wide))
+            cost.context_one.prior, cost.context_wide.prior = saved.context_one, saved.context_wide
+        if 1 in saved.passes:
+            self.plain_s = saved.passes[1].seconds
+        self.plain_gap_s, self.draft_gap_s = saved.plain_gap_s, saved.draft_gap_s
+        for name, record in saved.sources.items():
+            st = self.source(name)
+            st.t_draft = None if record.t_draft is None else record.t_draft.seconds
+            st.start_s = None if record.start_s is None else record.start_s.seconds
+            for i, (judged, accepted) in enumerate(record.acceptance[: self.max_draft]):
+                st.acceptance.judged[i], st.acceptance.accepted[i] = judged, accepted
+            for i, (judged, accepted) in enumerate(record.calibration[: ConfidenceCalibration.BINS]):
+                st.calibration.judged[i], st.calibration.accepted[i] = judged, accepted
+            for i, seen in enumerate(record.first_seen[: ConfidenceCalibration.BINS]):
+                st.calibration.first_seen[i] = seen
+        self._seed, self._seed_model = saved, model
+        self._seed_status = "pending" if saved.passes else None
 
-    def state(self) -> dict:
-        """What the policy has learnt, as JSON-ready data (costs, acceptance, calibration)."""
-        return {
-            "version": self.STATE_VERSION,
-            **self.pass_cost.state(),
-            "plain_s": self.plain_s,
-            "plain_gap_s": self.plain_gap_s,
-            "draft_gap_s": self.draft_gap_s,
-            "sources": {
-                name: {
-                    "judged": st.acceptance.judged, "accepted": st.acceptance.accepted, "t_draft": st.t_draft,
-                    "start_s": st.start_s, "probe_every": st.probe_every, "probe_s": st.probe_s,
-                    "drafting_steps": st.drafting_steps,
-                    "cal_judged": st.calibration.judged, "cal_accepted": st.calibration.accepted,
-                    "first_seen": st.calibration.first_seen,
-                }  # fmt: skip
-                for name, st in self._sources.items()
-            },
-        }
+    @property
+    def seed_status(self) -> str | None:
+        """None (nothing saved was used), "pending", "confirmed" or "dropped"."""
+        return self._seed_status
 
-    def restore(self, state: dict) -> None:
-        """Start from what an earlier run learnt (`state()`); raises ValueError/KeyError/TypeError
-        on data of another shape, leaving the policy as it was."""
-        if state.get("version") != self.STATE_VERSION:
-            raise ValueError("another version")
-        pass_cost = PassCost()
-        pass_cost.load(state)
-        sources = {}
-        for name, data in state["sources"].items():
-            st = SourceState(PositionalAcceptance(self.max_draft))
-            for target, key in ((st.acceptance.judged, "judged"), (st.acceptance.accepted, "accepted"),
-                                (st.calibration.judged, "cal_judged"), (st.calibration.accepted, "cal_accepted"),
-                                (st.calibration.first_seen, "first_seen")):  # fmt: skip
-                values = [float(v) for v in data[key]][: len(target)]
-                target[: len(values)] = values
-            st.t_draft = None if data["t_draft"] is None else float(data["t_draft"])
-            st.start_s = None if data.get("start_s") is None else float(data["start_s"])
-            st.drafting_steps = min(int(data.get("drafting_steps", 0)), WARM_UP_DRAFTS)
-            # A source that was not paying keeps its long probe interval (a probe has a cost).
-            st.probe_every = min(max(int(data.get("probe_every", PROBE_EVERY_MIN)), PROBE_EVERY_MIN), PROBE_EVERY_CEILING)
-            st.probe_s = None if data.get("probe_s") is None else float(data["probe_s"])
-            sources[str(name)] = st
-        plain_s = state["plain_s"]
-        gaps = [None if state.get(key) is None else float(state[key]) for key in ("plain_gap_s", "draft_gap_s")]
-        self.pass_cost = pass_cost
-        self.plain_s = None if plain_s is None else float(plain_s)
-        self.plain_gap_s, self.draft_gap_s = gaps
-        self._sources = sources
+    def usual_utilization(self) -> float | None:
+        """CPU seconds per second of a pass not slowed by other processes: the 90th percentile
+        of the run's own (contention only ever lowers it), or the saved figure if higher."""
+        own = sorted(self._utilizations)
+        mine = own[int(0.9 * (len(own) - 1))] if len(own) >= 8 else None
+        theirs = self._seed.utilization if self._seed is not None and self._seed_status != "dropped" else None
+        figures = [u for u in (mine, theirs) if u is not None]
+        return max(figures) if figures else None
+
+    def _contended(self, utilization: float | None) -> bool:
+        usual = self.usual_utilization()
+        return utilization is not None and usual is not None and utilization < CONTENDED * usual
+
+    def saved(self, now: float, key: dict | None = None) -> Saved | None:
+        """What is worth keeping for the next run (None: nothing): medians of this run's own
+        uncontended timings; the saved costs it did not measure again, unless it dropped them;
+        acceptance only as a weak prior."""
+        usual = self.usual_utilization()
+        seed = self._seed if self._seed_status != "dropped" else None
+        passes = {n: Cost(t, count, now) for n, (t, count) in self.pass_cost.medians(usual).items()}
+        for n, cost in (seed.passes.items() if seed is not None else ()):
+            passes.setdefault(n, cost)
+        one = passes.get(1)
+        if one is not None:
+            passes = {n: c for n, c in passes.items() if c.seconds <= PLAUSIBLE * n * one.seconds}
+        out = Saved(passes=passes, key=dict(key or {}), saved_at=now, utilization=usual)
+        for name, slope in (("context_one", self.pass_cost.context_one), ("context_wide", self.pass_cost.context_wide)):
+            value = slope.slope if slope.learnt else getattr(seed, name, 0.0) if seed is not None else 0.0
+            setattr(out, name, value)
+        out.plain_gap_s = self.plain_gap_s if self.plain_gap_s is not None else getattr(seed, "plain_gap_s", None)
+        out.draft_gap_s = self.draft_gap_s if self.draft_gap_s is not None else getattr(seed, "draft_gap_s", None)
+        for name, st in self._sources.items():
+            before = seed.sources.get(name) if seed is not None else None
+            record = SourceRecord(
+                t_draft=_median_cost(st.t_draft_samples, now, before.t_draft if before else None),
+                start_s=_median_cost(st.start_samples, now, before.start_s if before else None),
+                acceptance=_capped(st.acceptance.judged, st.acceptance.accepted, SAVED_ACCEPT_WEIGHT),
+                calibration=_capped(st.calibration.judged, st.calibration.accepted, SAVED_CALIBRATION_WEIGHT),
+                first_seen=_scaled(st.calibration.first_seen, 10.0),
+            )
+            if record.t_draft or record.start_s or any(j for j, _ in record.acceptance):
+                out.sources[name] = record
+        return None if out.empty else out
 
     def source(self, name: str) -> SourceState:
         if name not in self._sources:
-            self._sources[name] = SourceState(PositionalAcceptance(self.max_draft))
+            prior = LONG_MATCH_ACCEPT if name.endswith(LONG_SUFFIX) else PRIOR_ACCEPT
+            self._sources[name] = SourceState(PositionalAcceptance(self.max_draft, prior))
         return self._sources[name]
 
     def _t_draft(self, state: SourceState) -> float:
@@ -601,8 +671,10 @@ class AdaptivePolicy(DraftJudge):
             return gated
         return expected_tokens(self._rates[:k])[k] / (self._start_cost(state) + k * self._t_draft_now + self._costs[k + 1])
 
-    def limit(self, source: str, n_max: int, context_len: int = 0) -> int:
-        state = self.source(source)
+    def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0) -> int:
+        key = source + LONG_SUFFIX if match >= LONG_MATCH else source
+        self._bucket[source] = key
+        state = self.source(key)
         self._expected, self._all_accepted, self._probing = 1.0, 1.0, False
         if self.plain_s is None:
             return 0  # the first two steps of a policy's life measure plain decoding
@@ -613,9 +685,9 @@ class AdaptivePolicy(DraftJudge):
             # A new reply, on a shorter context than the one drafting was judged on: passes cost
             # less there, wide ones most (ContextSlope). Judge afresh (free: no probe).
             state.plain_streak = 0
-        if 0 < state.plain_streak < state.probe_every - 1:
+        if state.plain_streak and (state.plain_streak < PROBE_EVERY_MIN - 1 or not self._probe_affordable(state, context_len)):
             # Drafting did not pay at the last decision, and acceptance estimates only change
-            # when something is drafted: stay plain, at no cost, until the next probe is due.
+            # when something is drafted: stay plain, at no cost, until a probe is due.
             state.plain_streak += 1
             return 0
         n_max = min(n_max, self.max_draft)
@@ -644,24 +716,25 @@ class AdaptivePolicy(DraftJudge):
             return k
         self._plain_check_every = PLAIN_CHECK_EVERY_MIN
         state.plain_streak += 1
-        if state.plain_streak >= state.probe_every and n_max > 0:
+        if state.plain_streak >= PROBE_EVERY_MIN and n_max > 0 and self._probe_affordable(state, context_len):
             # Drafting has not paid lately: try a short draft to see if the text has changed.
             state.plain_streak = 0
-            state.probe_every = min(state.probe_every * 2, self._probe_every_max(state, plain))
             self._probing = True  # (what its verdict does to the record: observe)
             return min(PROBE_LENGTH, n_max)
         return 0
 
-    @staticmethod
-    def _probe_every_max(state: SourceState, plain: float) -> int:
-        """The longest re-probe interval: PROBE_EVERY_MAX steps, or as many as keep a probe's
-        extra cost within PROBE_BUDGET of the plain steps between two (at most
-        PROBE_EVERY_CEILING). On a50 a probe (the draft model's catch-up, two drafts, a
-        three-token pass) costs about 3 plain steps more than a plain step, and probes every 128
-        steps took 2% of the time where drafting never pays."""
-        if state.probe_s is None:
-            return PROBE_EVERY_MAX
-        return min(max(PROBE_EVERY_MAX, math.ceil(state.probe_s / (PROBE_BUDGET * plain))), PROBE_EVERY_CEILING)
+    def _probe_affordable(self, state: SourceState, context_len: int) -> bool:
+        """Whether the probing budget holds what a probe is expected to cost beyond a plain step
+        (as the last probes did; before any, as the cost model prices it), or a full budget.
+        Saved costs that are still to be confirmed by wide passes get them from probes, at most
+        SEED_CHECKS: costs that the run never checks would otherwise hold it plain for good."""
+        if self._credit is None or self._seed_status == "pending" and len(self._seed_ratios["wide"]) < SEED_CHECKS:
+            return True
+        expected = state.probe_s
+        if expected is None:
+            costs = self.pass_cost.table(PROBE_LENGTH + 1, context_len)
+            expected = self._start_cost(state) + PROBE_LENGTH * self._t_draft(state) + costs[PROBE_LENGTH + 1] - costs[1]
+        return self._credit >= min(expected, PROBE_CREDIT * self._plain_at(context_len))
 
     @staticmethod
     def _against_the_odds(chances: Iterable[float]) -> bool:
@@ -680,7 +753,7 @@ class AdaptivePolicy(DraftJudge):
         """Keep draft `position` if a pass including it (and the drafts expected after it) is
         expected to yield more tokens per second than a pass that stops before it; `last()`
         then says whether the best plan ends with it."""
-        state = self.source(source)
+        state = self.source(self._bucket.get(source, source))
         self._last = False
         if position == 0:
             state.calibration.saw_first(confidence)
@@ -721,18 +794,22 @@ class AdaptivePolicy(DraftJudge):
 
     def observe(self, source: str | None, n_drafted: int, n_accepted: int, confidences: Sequence[float] | None,
                 draft_s: float, pass_tokens: int, pass_s: float, token_s: float | None = None,
-                first_s: float | None = None, context_len: int = 0, gap_s: float | None = None) -> None:  # fmt: skip
+                first_s: float | None = None, context_len: int = 0, gap_s: float | None = None,
+                cpu_s: float | None = None) -> None:  # fmt: skip
         """One step's facts: what was drafted and accepted, what drafting cost (draft_s in all;
         when the drafter timed them, token_s per drafted token and first_s until its first
-        token), what the pass cost (after context_len tokens), and gap_s, the time from the end
-        of the previous step's pass to the start of this step (None at a generation's first)."""
+        token), what the pass cost (after context_len tokens; cpu_s: the CPU seconds the process
+        used meanwhile, when measured), and gap_s, the time from the end of the previous step's
+        pass to the start of this step (None at a generation's first)."""
         probe, self._probing = self._probing, False
+        self._steps += 1
         if gap_s is not None:  # (the previous step's: plain steps also pay their limit() call)
             if self._plain_run:
                 self.plain_gap_s = running_time(self.plain_gap_s, gap_s + self._previous_draft_s)
             else:
                 self.draft_gap_s = running_time(self.draft_gap_s, gap_s)
-        state = None if source is None else self.source(source)
+        state = None if source is None else self.source(self._bucket.get(source, source))
+        self._pay_for_probes(probe, draft_s + pass_s + (gap_s or 0.0), n_accepted + 1, context_len)
         if probe and state is not None and self.plain_s is not None:
             state.probe_s = running_time(state.probe_s, max(draft_s + pass_s - self._plain_pass_at(context_len), 0.0))
         ran = state is not None and (n_drafted > 0 or confidences is not None)  # (a draft model may only have looked)
@@ -744,7 +821,13 @@ class AdaptivePolicy(DraftJudge):
         steady_plain = plain and self._plain_run > 0
         self._plain_run = self._plain_run + 1 if plain else 0
         cold = not steady_plain if pass_tokens == 1 else (ran and not warm and state.runs_model)
-        self.pass_cost.observe(pass_tokens, pass_s, cold, context_len)
+        utilization = cpu_s / pass_s if cpu_s is not None and pass_s > 0 else None
+        contended = self._contended(utilization)
+        if utilization is not None and not cold:
+            self._utilizations.append(utilization)
+        self.pass_cost.observe(pass_tokens, pass_s, cold, context_len, utilization)
+        if self._seed_status == "pending":
+            self._check_seed(pass_tokens, pass_s, cold, context_len, utilization, steady_plain, contended)
         if steady_plain:
             # The second plain step after drafting still runs 3-5% slow on a70 (the first 17%):
             # it counts only where faster than the record; later ones count as they come.
@@ -774,6 +857,8 @@ class AdaptivePolicy(DraftJudge):
             # The first draft pass of a step runs on caches the target's pass has just used,
             # and the step asks the policy first: what that costs beyond a drafted token.
             state.start_s = timed(state.start_s, max(first_s - state.t_draft, 0.0))
+            if warm and not contended:
+                state.start_samples.append(max(first_s - state.t_draft, 0.0))
         if n_drafted == 0:
             return
         if probe and n_accepted == n_drafted:
@@ -792,7 +877,7 @@ class AdaptivePolicy(DraftJudge):
                 state.calibration.fade(PROBE_FADE)
         elif not probe and self.plain_s is not None and (n_accepted + 1) * self._plain_at(context_len) > draft_s + pass_s + (self.draft_gap_s or 0.0):
             # This draft beat plain decoding: when drafting stops paying, probe again soon.
-            state.probe_every = PROBE_EVERY_MIN
+            self._credit = None
         state.acceptance.observe(n_drafted, n_accepted)
         if confidences:
             state.calibration.observe(confidences, n_accepted)
@@ -800,3 +885,75 @@ class AdaptivePolicy(DraftJudge):
             return  # a draft model's one-token proposal: no draft pass of its own was timed
         per_token = token_s if token_s is not None else draft_s / n_drafted
         state.t_draft = timed(state.t_draft, per_token)
+        if (warm or not state.runs_model) and not contended:
+            state.t_draft_samples.append(per_token)
+
+    def _pay_for_probes(self, probe: bool, step_s: float, tokens: int, context_len: int) -> None:
+        """The probing budget: every step adds PROBE_BUDGET of its time (up to PROBE_CREDIT plain
+        steps); a probe spends what it cost beyond the plain steps that would have made its tokens."""
+        if self.plain_s is None:
+            return
+        plain = self._plain_at(context_len)
+        cap = PROBE_CREDIT * plain
+        credit = cap if self._credit is None else self._credit
+        if probe:
+            credit -= max(step_s - tokens * plain, 0.0)
+        self._credit = min(credit + PROBE_BUDGET * step_s, cap)
+
+    def _check_seed(self, n_tokens: int, seconds: float, cold: bool, context_len: int, utilization: float | None,
+                    steady_plain: bool, contended: bool) -> None:  # fmt: skip
+        """Compare the run's own passes with what the saved costs predict: the median of the
+        first SEED_CHECKS ratios of each kind outside 1/SEED_TRUST .. SEED_TRUST drops them."""
+        self._own_passes.append((n_tokens, seconds, cold, context_len, utilization, steady_plain))
+        if not cold and not contended:
+            ratios = self._seed_ratios["one" if n_tokens == 1 else "wide"]
+            if len(ratios) < SEED_CHECKS:
+                ratios.append(seconds / max(self._seed_model.table(n_tokens, context_len)[n_tokens], 1e-12))
+                if len(ratios) == SEED_CHECKS and not 1 / SEED_TRUST <= statistics.median(ratios) <= SEED_TRUST:
+                    self._drop_seed()
+                    return
+        if all(len(r) >= SEED_CHECKS for r in self._seed_ratios.values()) or self._steps >= SEED_WATCH:
+            self._seed_status, self._own_passes = "confirmed", []
+
+    def _drop_seed(self) -> None:
+        """Forget the saved costs: go on from the run's own passes alone, as a fresh start would."""
+        own = PassCost()
+        plain_s = None
+        for n_tokens, seconds, cold, context_len, utilization, steady_plain in self._own_passes:
+            own.observe(n_tokens, seconds, cold, context_len, utilization)
+            if steady_plain:
+                plain_s = running_time(plain_s, own.at_no_context(1, seconds, context_len))
+        self.pass_cost, self.plain_s = own, plain_s
+        self.plain_gap_s = self.draft_gap_s = None
+        for st in self._sources.values():
+            st.t_draft = st.start_s = None
+            st.plain_streak = 0
+        self._credit = None
+        self._seed_status, self._own_passes = "dropped", []
+
+
+
+def _median_cost(samples: Sequence[float], now: float, before: Cost | None) -> Cost | None:
+    """The median of a run's own timings as a saved Cost (MIN_SAMPLES_SAVED at least), else
+    what was saved before."""
+    if len(samples) >= MIN_SAMPLES_SAVED:
+        return Cost(statistics.median(samples), len(samples), now)
+    return before
+
+
+def _capped(judged: Sequence[float], accepted: Sequence[float], weight: float) -> list[tuple[float, float]]:
+    """[judged, accepted] per position or bin, scaled down to at most `weight` verdicts each:
+    a weak prior for the next run, not a record."""
+    out = []
+    for j, a in zip(judged, accepted):
+        scale = min(1.0, weight / j) if j > 0 else 0.0
+        out.append((j * scale, a * scale))
+    while out and out[-1][0] == 0:
+        out.pop()
+    return out
+
+
+def _scaled(values: Sequence[float], total: float) -> list[float]:
+    """`values` scaled down so that they add up to at most `total`."""
+    whole = sum(values)
+    return [v * min(1.0, total / whole) for v in values] if whole > 0 else []
