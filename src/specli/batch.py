@@ -9,12 +9,15 @@ on. Output: one JSON object per item, written and flushed as soon as the item is
 Resume: an output file left by an earlier run (complete, interrupted or killed) tells which ids
 are done; their items are skipped. Error records and a line cut short by a kill are dropped
 and those items run again. When the run ends the file is rewritten, atomically, in input order.
+A file that is not such an output (any complete line that is not a record) is refused untouched.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Union
@@ -206,6 +209,35 @@ def result_record(item: Item, result: dict) -> dict:
     return {"id": item.id, "line": item.line, **result, **item.echo}
 
 
+# An existing output is read back to resume only up to MAX_RESUME_BYTES, and no line past
+# MAX_RECORD_BYTES: a wrong -o (a disk image, a log) is refused before it is loaded whole.
+MAX_RESUME_BYTES = 1 << 30
+MAX_RECORD_BYTES = 16 << 20
+# The fields every result record has (`run --json`'s object), with their JSON types.
+RESULT_FIELDS = {"text": str, "token_ids": list, "n_tokens": int, "stop_reason": str, "stats": dict}
+RECORD_START = b'{"id": '  # how every record line begins (json.dumps of {"id": ..., "line": ...})
+
+
+def record_kind(obj: object) -> str | None:
+    """'result' or 'error' for a specli batch record, None for anything else: an object with
+    `id` (a string or an integer) and `line` (an integer), and either `error` (a string) or
+    every field of RESULT_FIELDS with its type."""
+    if not isinstance(obj, dict):
+        return None
+    item_id, line = obj.get("id"), obj.get("line")
+    if isinstance(item_id, bool) or not isinstance(item_id, (int, str)):
+        return None
+    if isinstance(line, bool) or not isinstance(line, int):
+        return None
+    if "error" in obj:
+        return "error" if isinstance(obj["error"], str) else None
+    for name, kind in RESULT_FIELDS.items():
+        value = obj.get(name)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return None
+    return "result"
+
+
 @dataclass
 class Previous:
     """What an existing output file says: which ids are done, and the lines worth keeping."""
@@ -213,46 +245,105 @@ class Previous:
     done: set[str]  # id keys of items with a result (no error)
     kept: list[str]  # their lines, in file order
     n_errors: int = 0  # error records dropped (those items run again)
-    n_partial: int = 0  # unreadable lines dropped: the last line of a killed run
+    n_partial: int = 0  # a last line cut short by a kill, dropped
+    rewrite: bool = False  # the file must be rewritten as `kept` before appending
+
+    @property
+    def needs_rewrite(self) -> bool:
+        return self.rewrite or bool(self.n_errors or self.n_partial)
+
+
+class NotAnOutput(UsageError):
+    """An existing -o file that is not a specli batch output: refused, never written."""
 
 
 def read_previous(path: Path) -> Previous:
-    """Read an output file of an earlier run. Raises UsageError when it is not one (so that a
-    wrong -o never gets rewritten)."""
+    """Read an output file of an earlier run. Raises UsageError (NotAnOutput) when it is not
+    one, so that a wrong -o is never rewritten: every complete line must be a record (blank
+    lines aside); only a last line without its newline that is the start of a record cut short
+    by a kill may be dropped, and only after at least one record. Reads nothing of a file over
+    MAX_RESUME_BYTES, and no line past MAX_RECORD_BYTES."""
     try:
-        lines = path.read_bytes().splitlines()
+        # O_NONBLOCK: a FIFO put in the output's place since it was checked must not hang us.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as err:
         raise UsageError(f"cannot read {path} to resume: {err.strerror} (pass --overwrite to start over)") from None
-    prev = Previous(done=set(), kept=[])
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            record = None
-        if not isinstance(record, dict) or "id" not in record:
-            if number == len(lines):  # a write cut short by a kill
-                prev.n_partial += 1
-                continue
-            raise UsageError(
-                f"{path} line {number} is not a specli batch record, so it cannot be resumed; "
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotAnOutput(f"{path} is not a regular file, so it cannot be a batch output; give a file name for -o, or '-' for stdout")
+        if info.st_size > MAX_RESUME_BYTES:
+            raise NotAnOutput(
+                f"{path} is {info.st_size} bytes, over the {_size(MAX_RESUME_BYTES)} that batch reads back to resume; "
                 "pick another -o, or pass --overwrite to replace the file"
             )
-        if "error" in record:
+        try:
+            return _read_records(handle, path)
+        except OSError as err:
+            raise UsageError(f"cannot read {path} to resume: {err.strerror} (pass --overwrite to start over)") from None
+
+
+def _read_records(handle: IO[bytes], path: Path) -> Previous:
+    prev = Previous(done=set(), kept=[])
+    n_records = 0
+    number = 0
+    while True:
+        raw = handle.readline(MAX_RECORD_BYTES + 1)
+        if not raw:
+            return prev
+        number += 1
+        complete = raw.endswith(b"\n")
+        if not complete and len(raw) > MAX_RECORD_BYTES:
+            raise NotAnOutput(
+                f"{path} line {number} is longer than {_size(MAX_RECORD_BYTES)}, so it is not a specli batch record and the file "
+                "cannot be resumed; pick another -o, or pass --overwrite to replace the file"
+            )
+        body = raw.rstrip(b"\r\n")
+        if not body.strip():
+            if not complete:
+                prev.rewrite = True  # trailing blanks without a newline: appending needs one
+            continue
+        try:
+            record = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            record = None
+        kind = record_kind(record)
+        if kind is None:
+            if not complete and n_records and record is None and _cut_short(body):
+                prev.n_partial += 1  # the last write of a killed run
+                return prev
+            raise NotAnOutput(
+                f"{path} line {number} is not a specli batch record (a JSON object with id, line, and text, token_ids, n_tokens, "
+                "stop_reason, stats or an error), so the file cannot be resumed; pick another -o, or pass --overwrite to replace it"
+            )
+        n_records += 1
+        if not complete:
+            prev.rewrite = True  # a whole record without its newline: restore it before appending
+        if kind == "error":
             prev.n_errors += 1
             continue
         key = id_key(record["id"])
         if key not in prev.done:
             prev.done.add(key)
-            prev.kept.append(raw.decode("utf-8"))
-    return prev
+            prev.kept.append(body.decode("utf-8"))
+
+
+def _cut_short(body: bytes) -> bool:
+    """Whether an unparseable fragment can be the start of a record line."""
+    body = body.lstrip()
+    return body.startswith(RECORD_START) if len(body) >= len(RECORD_START) else RECORD_START.startswith(body)
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes >> 30} GiB" if n_bytes >= 1 << 30 else f"{n_bytes >> 20} MiB"
 
 
 def sort_output(path: Path, entries: list[Entry]) -> None:
     """Rewrite the output file in input order (records of other inputs last), if needed."""
     order = {_record_key(e.id, e.line): i for i, e in enumerate(entries)}
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    # Split at "\n" only: a record's text may hold U+2028 or U+0085 unescaped, which
+    # str.splitlines would take for line ends and so cut the record in two.
+    lines = [line.rstrip("\r") for line in path.read_bytes().decode("utf-8").split("\n") if line.strip()]
     positions = []
     for line in lines:
         try:

@@ -9,6 +9,7 @@ usage (nothing generated), 130 interrupted (every finished item is in the output
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from .cli import (
     _load, _model_choice, _result_json, app,
 )  # fmt: skip
 from .errors import EXIT_RUNTIME, UsageError
-from .files import write_atomically
+from .files import ExclusiveLock, LockBusy, write_atomically
 
 EXIT_SOME_FAILED = EXIT_RUNTIME
 
@@ -59,9 +60,6 @@ def batch_command(
 ) -> int:
     """Generate for every prompt of INPUT with the models loaded once; one JSON record per line
     (in input order), a summary on stderr. Re-running with the same output resumes."""
-    from .llama import init_backend
-    from .loading import plan
-
     choice = _model_choice(
         model, draft, lookup, target_only, n_draft, max_tokens, ctx, ngl, draft_ngl, threads,
         temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
@@ -73,6 +71,21 @@ def batch_command(
     out_path = _check_output(output, input_path, resume=resume, overwrite=overwrite)
     if summary_path is not None and not summary_path.parent.is_dir():
         raise UsageError(f"cannot write {summary_path}: folder {summary_path.parent} does not exist")
+    lock = _lock_output(out_path) if out_path is not None else None
+    try:
+        return _batch(
+            input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens,
+            quiet=quiet, verbose=verbose,
+        )  # fmt: skip
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _batch(input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens, *, quiet, verbose) -> int:
+    """The run itself, with the output (if a file) locked."""
+    from .llama import init_backend
+    from .loading import plan
 
     lines = batch.read_input(input_path, sys.stdin.buffer)
     fmt = batch.detect_format(input_path, lines, input_format)
@@ -118,11 +131,35 @@ def _check_output(output: str, input_path: str, *, resume: bool, overwrite: bool
     path = Path(output)
     if path.is_dir():
         raise UsageError(f"-o {output} is a directory; give a file name for the JSONL output")
+    if path.exists() and not path.is_file():
+        raise UsageError(f"-o {output} is not a regular file (a FIFO, a device, a socket?); give a file name for the JSONL output, or '-' for stdout")
     if not path.parent.is_dir():
         raise UsageError(f"cannot write {output}: folder {path.parent} does not exist")
     if input_path != "-" and Path(input_path).exists() and path.exists() and path.resolve() == Path(input_path).resolve():
         raise UsageError("the output file is the input file; write the results to another file (-o)")
     return path
+
+
+def _lock_output(path: Path) -> ExclusiveLock:
+    """Hold the output for this run: a second `batch` on it is refused at once (its records would
+    interleave with ours). The lock file sits next to the output (the real file, if `path` is a
+    link) and goes when the run ends; after a SIGKILL the OS drops the lock and the next run
+    takes the file over."""
+    real = Path(os.path.realpath(path))
+    lock = ExclusiveLock(real.parent / f".{real.name}.lock")
+    try:
+        lock.acquire()
+    except LockBusy as busy:
+        holder = f" (PID {busy.pid})" if busy.pid else ""
+        raise UsageError(
+            f"another specli batch{holder} is writing {path} (it holds {busy.lock_path}); "
+            "wait for it to finish, or pick another -o"
+        ) from None
+    except OSError as err:
+        raise UsageError(f"cannot create the lock file {lock.path}: {err.strerror} (batch writes next to its output; check the folder's permissions)") from None
+    if not lock.supported:
+        print(f"specli: warning: the file system of {path} has no file locks; nothing stops a second batch from writing it", file=sys.stderr)
+    return lock
 
 
 def _resume_notice(path: Path, previous: batch.Previous, entries: list[batch.Entry]) -> str:
@@ -154,7 +191,7 @@ def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, qui
         stream = sys.stdout
         writer = batch.RecordWriter(stream, entries, in_order=True, skip=done_before)
     else:
-        if previous is not None and (previous.n_errors or previous.n_partial):
+        if previous is not None and previous.needs_rewrite:
             write_atomically(out_path, previous.kept)  # drop what is retried, then append
         stream = out_path.open("a" if previous is not None else "w", encoding="utf-8")
         writer = batch.RecordWriter(stream, entries, in_order=False, skip=done_before)
