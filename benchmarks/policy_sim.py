@@ -165,7 +165,8 @@ def main() -> int:
                 clock.counting = True
 
         DraftModelDrafter.begin = begin  # type: ignore[method-assign]
-    fake_time = types.SimpleNamespace(perf_counter=lambda: clock.now)
+    # (no CPU time on a simulated clock: the policy sees no contention)
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock.now, process_time=lambda: 0.0)
     engine_module.time = fake_time  # type: ignore[attr-defined]
     drafters_module.time = fake_time  # type: ignore[attr-defined]
 

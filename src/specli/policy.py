@@ -81,7 +81,8 @@ CONTEXT_CLIP = 2.0  # a pass counts at most this times its estimate (looser: the
 PROBE_LENGTH = 2
 PROBE_EVERY_MIN = 4  # plain steps before a re-probe, at least
 PROBE_BUDGET = 0.02  # probes that do not pay take at most this share of the time,
-PROBE_CREDIT = 3.0  # plus at most this many plain steps' worth saved up while none was due
+PROBE_CREDIT = 1.0  # plus at most this many plain steps' worth saved up while none was due (about one probe:
+# more, and every short reply after a long plain stretch paid for a burst of probes)
 LONG_MATCH = 16  # a lookup draft copied after a match this long is judged on a record of its own
 LONG_SUFFIX = ":long"  # (named like its drafter, with this suffix)
 SEED_TRUST = 1.5  # saved costs are dropped when a run's own passes differ by more than this factor
@@ -550,6 +551,7 @@ class AdaptivePolicy(DraftJudge):
         # that did not pay (its time beyond the plain steps that would have made its tokens),
         # saved up to PROBE_CREDIT plain steps (None: full).
         self._credit: float | None = None
+        self._credit_cap = 0.0
         self._bucket: dict[str, str] = {}  # per drafter: the record its latest limit() used
         self._utilizations: deque[float] = deque(maxlen=64)  # CPU use per second of recent passes
         # Saved costs (seed) and how far this run has confirmed them: the ratios of its own
@@ -734,7 +736,7 @@ class AdaptivePolicy(DraftJudge):
         if expected is None:
             costs = self.pass_cost.table(PROBE_LENGTH + 1, context_len)
             expected = self._start_cost(state) + PROBE_LENGTH * self._t_draft(state) + costs[PROBE_LENGTH + 1] - costs[1]
-        return self._credit >= min(expected, PROBE_CREDIT * self._plain_at(context_len))
+        return self._credit >= min(expected, self._credit_cap)
 
     @staticmethod
     def _against_the_odds(chances: Iterable[float]) -> bool:
@@ -894,7 +896,7 @@ class AdaptivePolicy(DraftJudge):
         if self.plain_s is None:
             return
         plain = self._plain_at(context_len)
-        cap = PROBE_CREDIT * plain
+        cap = self._credit_cap = PROBE_CREDIT * plain  # (a full budget compares with the cap it was cut to)
         credit = cap if self._credit is None else self._credit
         if probe:
             credit -= max(step_s - tokens * plain, 0.0)
