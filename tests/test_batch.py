@@ -97,7 +97,7 @@ def test_good_and_bad_lines_in_order_with_run_equal_content(tmp_path, pair_pertu
         assert got["stats"]["drafted"] == expected["stats"]["drafted"]
 
     # Again on the same output: the good items are skipped, the bad lines fail again, once each.
-    again = specli("batch", str(src), "-o", str(out), "-m", target, "--lookup", "--max-tokens", "24", *GREEDY_ARGS)
+    again = specli("batch", str(src), "-o", str(out), "-m", target, "--lookup", "-n", "4", "--max-tokens", "24", *GREEDY_ARGS)
     assert again.returncode == 1, again.stderr
     assert "7 error record(s) from the earlier run are retried" in again.stderr
     assert "3 done" not in again.stderr and "0 done, 7 failed, 3 skipped" in again.stderr

@@ -236,3 +236,17 @@ def test_record_rule_and_cut_short_lines(tmp_path):
 
 def read_records_bytes(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_bytes().decode("utf-8").split("\n") if line]
+
+
+def test_a_rewritten_output_stays_a_link_and_keeps_its_mode(tmp_path):
+    # The in-order rewrite at the end of a run goes through write_atomically.
+    from specli.files import write_atomically
+
+    real = tmp_path / "real.jsonl"
+    real.write_text("old\n")
+    real.chmod(0o644)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    write_atomically(link, ["new"])
+    assert link.is_symlink() and real.read_text() == "new\n"
+    assert real.stat().st_mode & 0o777 == 0o644

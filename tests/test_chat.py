@@ -304,3 +304,124 @@ def test_leaving_at_the_prompt_of_a_terminal_exits_0(pair_perturbed, leave):
     finally:
         term.close(proc)
     assert b"Traceback" not in term.buf
+
+
+# --- a full context: drop half at once, then reuse the cache again -------------------------------
+def test_fit_conversation_drops_half_of_the_pairs_at_once():
+    tokens_of = lambda system, msgs: [0] * sum(len(m["content"]) for m in msgs)  # noqa: E731
+    history = [{"role": r, "content": f"{i}" * 10} for i in range(4) for r in ("user", "assistant")]
+    # 80 tokens of history + 10 new: one pair too many for 90 - 10; half of the 4 pairs go.
+    ids, dropped = fit_conversation(None, history, {"role": "user", "content": "n" * 10}, tokens_of, n_ctx=90, max_tokens=10)
+    assert dropped == 2 and len(ids) == 50 and [m["content"][0] for m in history] == ["2", "2", "3", "3"]
+    # Still too long after half: more go, one pair at a time.
+    history = [{"role": r, "content": f"{i}" * 10} for i in range(4) for r in ("user", "assistant")]
+    ids, dropped = fit_conversation(None, history, {"role": "user", "content": "n" * 10}, tokens_of, n_ctx=40, max_tokens=10)
+    assert dropped == 3 and len(ids) == 30
+
+
+DROP = "context full: dropped the oldest"
+
+
+@pytest.mark.slow
+def test_full_context_drops_half_and_later_turns_reuse_the_cache(pair_perturbed):
+    """Once the context is full, a drop is followed by turns that reuse the cache (the old
+    one-pair-per-turn drop re-evaluated nearly the whole prompt every turn from then on)."""
+    target = str(pair_perturbed[0])
+    messages = [f"tell me about the cat number {i} that sat on the mat" for i in range(14)]
+    result = chat("-m", target, "-c", "256", "--max-tokens", "12", *GREEDY, "--system", "SYS",
+                  stdin="\n".join(messages) + "\n")
+    assert result.returncode == 0, result.stderr
+    # Per turn: (dropped before it?, prompt, evaluated, reused), in stderr's order.
+    rows, pending_drop = [], False
+    for line in result.stderr.splitlines():
+        if line.startswith(DROP):
+            pending_drop = True
+        elif (m := TURN.search(line)):
+            rows.append((pending_drop, *map(int, m.groups())))
+            pending_drop = False
+    assert len(rows) == 14
+    first = next(i for i, row in enumerate(rows) if row[0])
+    after = rows[first + 1 :]
+    assert len(after) >= 6, rows
+    drops = [i for i, row in enumerate(after) if row[0]]
+    # Never two drops in a row: each one frees room for the turns after it.
+    assert all(b - a > 1 for a, b in zip(drops, drops[1:])), rows
+    assert len(drops) <= len(after) // 2, rows
+    for dropped, prompt, evaluated, reused in after:
+        if not dropped:  # only what is new since the previous turn is evaluated
+            assert evaluated + reused == prompt and evaluated < prompt // 2, rows
+
+
+# --- /save: atomic ---------------------------------------------------------------------------------
+@pytest.fixture
+def session(monkeypatch):
+    import io
+
+    from specli.chat import ChatOptions, ChatSession, Formatter
+
+    s = ChatSession(loaded=None, formatter=Formatter(None, "plain"), options=ChatOptions(), err=io.StringIO())
+    s.messages = [{"role": "user", "content": "hi " * 3000}, {"role": "assistant", "content": "hello"}]
+    monkeypatch.setattr(s, "to_json", lambda: {"system": s.system, "messages": s.messages})
+    return s
+
+
+def test_save_on_a_full_disk_keeps_the_earlier_save(session, tmp_path, monkeypatch):
+    import errno
+
+    import specli.files as files
+
+    path = tmp_path / "chat.json"
+    session._save(str(path))
+    before = path.read_bytes()
+    assert json.loads(before)["messages"][1]["content"] == "hello"
+
+    real_fdopen = os.fdopen
+
+    class FullDisk:  # a file that takes 4096 bytes, then fails as a full disk does
+        def __init__(self, handle):
+            self.handle, self.written = handle, 0
+
+        def write(self, text):
+            if self.written + len(text) > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += len(text)
+            return self.handle.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+    monkeypatch.setattr(files.os, "fdopen", lambda fd, *a, **k: FullDisk(real_fdopen(fd, *a, **k)))
+    session.messages.append({"role": "user", "content": "more " * 2000})
+    session._save(str(path))
+    assert "No space left on device" in session.err.getvalue() and "kept as it was" in session.err.getvalue()
+    assert path.read_bytes() == before  # the earlier save, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.json"]  # no temporary file left
+
+    # A folder where no temporary file can be made: the same.
+    monkeypatch.setattr(files.os, "fdopen", real_fdopen)
+    monkeypatch.setattr(files.tempfile, "mkstemp", lambda **k: (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied")))
+    session._save(str(path))
+    assert "Permission denied" in session.err.getvalue() and path.read_bytes() == before
+
+
+def test_save_keeps_a_symlink_and_the_mode(session, tmp_path):
+    real = tmp_path / "real.json"
+    real.write_text("{}")
+    os.chmod(real, 0o640)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    session._save(str(link))
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert json.loads(real.read_text())["messages"][1]["content"] == "hello"
+    assert os.stat(real).st_mode & 0o777 == 0o640
+    fresh = tmp_path / "new.json"
+    session._save(str(fresh))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(fresh).st_mode & 0o777 == 0o666 & ~umask

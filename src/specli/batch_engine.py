@@ -56,22 +56,44 @@ def tokenize_item(model_tgt: LlamaModel, item: Item) -> tuple[list[int], str | N
     return ids, prompt_too_long(len(ids), model_tgt.n_ctx)
 
 
+def item_error(err: Exception) -> str:
+    """An item's error record text for a failure while generating it."""
+    if isinstance(err, SpecliError):
+        return str(err)
+    # Not a failure anyone foresaw (a bug): name it, so that it can be reported.
+    return f"internal error: {type(err).__name__}: {err} (a bug in specli; please report it with this item)"
+
+
 def run_sequential(pool: DecoderPool, items: Iterable[Item]) -> Iterator[Step | ItemDone]:
-    """One item after the other, exactly as `specli run` generates each."""
+    """One item after the other, exactly as `specli run` generates each. Whatever fails while an
+    item is generated (a failed decode, or a bug) is that item's error; the batch goes on."""
     model_tgt = pool.model_tgt
     for item in items:
-        prompt_ids, problem = tokenize_item(model_tgt, item)
-        if problem:
-            yield ItemDone(item, error=problem)
-            continue
-        gen = pool.get(item).generate(prompt_ids, max_tokens=item.max_tokens)
         try:
-            yield from gen
-        except SpecliError as err:  # e.g. a failed decode: this item fails, the batch goes on
-            model_tgt.forget_untracked()
-            yield ItemDone(item, error=str(err))
+            prompt_ids, problem = tokenize_item(model_tgt, item)
+            if problem:
+                yield ItemDone(item, error=problem)
+                continue
+            gen = pool.get(item).generate(prompt_ids, max_tokens=item.max_tokens)
+            for step in gen:
+                yield step
+        except Exception as err:  # this item fails, the batch goes on
+            _forget_untracked(model_tgt)
+            yield ItemDone(item, error=item_error(err))
             continue
         yield ItemDone(item, gen)
+
+
+def _forget_untracked(model) -> None:
+    """Drop cache entries a failed pass may have left; if even that fails, the next item's
+    prompt evaluation starts over from an empty cache."""
+    try:
+        model.forget_untracked()
+    except Exception:
+        try:
+            model.reset()
+        except Exception:
+            pass
 
 
 @dataclass
@@ -145,11 +167,15 @@ class ParallelRunner:
                     if item is None:
                         exhausted = True
                         break
-                    prompt_ids, problem = tokenize_item(self.model_tgt, item)
-                    if problem:
-                        yield ItemDone(item, error=problem)
-                        continue
-                    slots[s] = self._start(s, item, prompt_ids)
+                    try:
+                        prompt_ids, problem = tokenize_item(self.model_tgt, item)
+                        if problem:
+                            yield ItemDone(item, error=problem)
+                            continue
+                        slots[s] = self._start(s, item, prompt_ids)
+                    except Exception as err:  # this item fails, the batch goes on
+                        self._clear(s)
+                        yield ItemDone(item, error=item_error(err))
             active = [s for s, slot in enumerate(slots) if slot is not None]
             if not active:
                 return
@@ -191,42 +217,80 @@ class ParallelRunner:
             return STOP_CONTEXT_FULL
         return None
 
-    def _pass(self, slots: list[_Slot | None], active: list[int]) -> Iterator[Step]:
-        """Draft for every active sequence, verify them all in one target pass, emit."""
+    def _clear(self, s: int) -> None:
+        """Empty sequence s (the target's and the draft's) after its item failed."""
+        for seqs in (self.seqs, self.draft_seqs):
+            if seqs is not None:
+                try:
+                    seqs.clear(s)
+                except Exception:
+                    pass
+
+    def _fail(self, slots: list[_Slot | None], s: int, err: Exception) -> ItemDone:
+        """Sequence s's item failed: free its slot, return its error event."""
+        item = slots[s].item
+        slots[s] = None
+        self._clear(s)
+        return ItemDone(item, error=item_error(err))
+
+    def _pass(self, slots: list[_Slot | None], active: list[int]) -> Iterator[Step | ItemDone]:
+        """Draft for every active sequence, verify them all in one target pass, emit. A sequence
+        whose drafting or verification fails ends its item with an error (ItemDone, its slot
+        freed); a failed shared pass ends every item in it so."""
         requests = {}
-        for s in active:
+        for s in list(active):
             slot = slots[s]
-            remaining = slot.item.max_tokens - len(slot.gen.token_ids)
-            room = self.n_ctx - len(slot.context)
-            k = min(slot.decoder.n_draft, remaining - 1, room - 1)  # the pass emits up to k+1 tokens
-            t_draft = time.perf_counter()
-            drafter = self.drafters[s]
-            slot.proposal = (
-                drafter.propose(slot.context, k, slot.decoder.judge) if (drafter is not None and k > 0) else Proposal([])
-            )
+            try:
+                remaining = slot.item.max_tokens - len(slot.gen.token_ids)
+                room = self.n_ctx - len(slot.context)
+                k = min(slot.decoder.n_draft, remaining - 1, room - 1)  # the pass emits up to k+1 tokens
+                t_draft = time.perf_counter()
+                drafter = self.drafters[s]
+                slot.proposal = (
+                    drafter.propose(slot.context, k, slot.decoder.judge) if (drafter is not None and k > 0) else Proposal([])
+                )
+            except Exception as err:
+                active.remove(s)
+                yield self._fail(slots, s, err)
+                continue
             slot.draft_s = time.perf_counter() - t_draft
             slot.gen.stats.draft_s += slot.draft_s
             requests[s] = [slot.context[-1], *slot.proposal.tokens]
+        if not requests:
+            return
         t_verify = time.perf_counter()
-        logits = self.seqs.eval(requests, logits="all")
+        try:
+            logits = self.seqs.eval(requests, logits="all")
+        except Exception as err:
+            for s in list(active):
+                yield self._fail(slots, s, err)
+            active.clear()
+            return
         pass_s = time.perf_counter() - t_verify
         n_pass = sum(len(tokens) for tokens in requests.values())
-        for s in active:
-            slot = slots[s]
-            draft = slot.proposal.tokens
-            verdict = slot.decoder._verify(logits[s], slot.proposal, slot.context, slot.rng)
-            if slot.decoder.adaptive:
-                share = pass_s * len(requests[s]) / n_pass
-                slot.decoder.judge.observe(slot.proposal.source, len(draft), verdict.n_accepted, slot.proposal.confidences,
-                                           slot.draft_s, len(requests[s]), share, slot.proposal.token_s,
-                                           slot.proposal.first_s, len(slot.context))  # fmt: skip
-            self.seqs.truncate(s, len(slot.context) + verdict.n_accepted)
-            if self.drafters[s] is not None and draft:
-                self.drafters[s].update(len(draft), verdict.n_accepted)
-            step = slot.gen.record(verdict.tokens, verdict.n_accepted, len(draft), self.model_tgt.is_eog, slot.proposal.source)
-            slot.context.extend(verdict.tokens)
-            slot.gen.stats.verify_s += time.perf_counter() - t_verify  # the shared pass, wall time
-            slot.gen.stats.generation_s = time.perf_counter() - slot.t_gen
-            yield step
+        for s in list(active):
+            try:
+                yield from self._finish_pass(slots[s], s, logits[s], t_verify, pass_s, len(requests[s]), n_pass)
+            except Exception as err:
+                active.remove(s)
+                yield self._fail(slots, s, err)
+
+    def _finish_pass(self, slot: _Slot, s: int, logits, t_verify: float, pass_s: float, n_request: int, n_pass: int) -> Iterator[Step]:
+        """Verify sequence s's drafts against its rows of the shared pass, trim, emit."""
+        draft = slot.proposal.tokens
+        verdict = slot.decoder._verify(logits, slot.proposal, slot.context, slot.rng)
+        if slot.decoder.adaptive:
+            share = pass_s * n_request / n_pass
+            slot.decoder.judge.observe(slot.proposal.source, len(draft), verdict.n_accepted, slot.proposal.confidences,
+                                       slot.draft_s, n_request, share, slot.proposal.token_s,
+                                       slot.proposal.first_s, len(slot.context))  # fmt: skip
+        self.seqs.truncate(s, len(slot.context) + verdict.n_accepted)
+        if self.drafters[s] is not None and draft:
+            self.drafters[s].update(len(draft), verdict.n_accepted)
+        step = slot.gen.record(verdict.tokens, verdict.n_accepted, len(draft), self.model_tgt.is_eog, slot.proposal.source)
+        slot.context.extend(verdict.tokens)
+        slot.gen.stats.verify_s += time.perf_counter() - t_verify  # the shared pass, wall time
+        slot.gen.stats.generation_s = time.perf_counter() - slot.t_gen
+        yield step
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .engine import AUTO, MAX_DRAFT, parse_draft_length
 from .errors import UsageError
+from .files import read_limited, strip_bom
 
 DEFAULT_NS = (AUTO, 1, 2, 3, 5, 8, 12)
 TARGET_ONLY = 0  # the configuration "N = 0": no drafting
@@ -144,7 +145,8 @@ def parse_prompt_file(path: Path) -> list[BenchPrompt]:
     Raises UsageError with one line naming the file and line number of the first problem.
     """
     try:
-        raw = Path(path).read_bytes()
+        with Path(path).open("rb") as handle:
+            raw = strip_bom(read_limited(handle, f"the prompt file {path}"))
     except OSError as err:
         raise UsageError(f"cannot read the prompt file {path}: {err.strerror}") from None
     try:

@@ -18,6 +18,7 @@ from typing import Callable, Optional, TextIO
 
 from .engine import AUTO, MAX_DRAFT, parse_draft_length
 from .errors import UsageError
+from .files import replace_text
 from .llama import LlamaModel, apply_chat_template, builtin_chat_templates
 from .loading import Loaded
 from .stats import Stats
@@ -131,18 +132,25 @@ def fit_conversation(
     """Prompt tokens for `history + [message]` that leave room for `max_tokens`, dropping the
     oldest user/assistant pairs of `history` (in place; never the system prompt) as needed.
 
+    Once anything must go, at least half of the pairs go at once (as llama.cpp's context shift
+    discards half): the prompt then differs from the cached one from the first dropped message
+    on, so this turn re-evaluates the rest, but the next turns extend it and reuse the cache
+    again until the context fills up anew. Dropping one pair per turn instead would make every
+    following turn re-evaluate nearly the whole context.
+
     Returns (prompt ids, pairs dropped). When no history is left and the reply still lacks room,
     the prompt is used anyway (the reply then stops when the context is full). Raises
     MessageTooLong, with `history` untouched, when the prompt alone fills the context.
     """
     # Work on a count, not on `history`: a refused message must leave the history as it was.
     dropped = 0
+    pairs = len(history) // 2
     while True:
         kept = history[2 * dropped :]
         ids = tokens_of(system, kept + [message])
         if len(ids) + max_tokens <= n_ctx or not kept:
             break
-        dropped += 1
+        dropped = dropped + 1 if dropped else max(1, (pairs + 1) // 2)
     if len(ids) >= n_ctx:
         raise MessageTooLong(len(ids))
     del history[: 2 * dropped]
@@ -363,12 +371,12 @@ class ChatSession:
         if not path:
             self.notice("/save needs a file name, e.g. /save chat.json")
             return
+        text = json.dumps(self.to_json(), ensure_ascii=False, indent=2) + "\n"
         try:
-            with open(path, "w", encoding="utf-8") as handle:
-                json.dump(self.to_json(), handle, ensure_ascii=False, indent=2)
-                handle.write("\n")
+            # A temporary file renamed over the old one: a full disk keeps the earlier save whole.
+            replace_text(path, text)
         except OSError as err:
-            self.notice(f"/save: cannot write {path}: {err.strerror}")
+            self.notice(f"/save: cannot write {path}: {err.strerror or err} (an earlier save there is kept as it was)")
             return
         self.notice(f"saved {len(self.messages)} messages to {path}")
 

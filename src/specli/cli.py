@@ -5,21 +5,46 @@ Exit codes: 0 success, 1 runtime failure, 2 bad usage or input, 130 interrupted 
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import sys
-import traceback
-from typing import Annotated, Optional
-
-import typer
-
-from . import __version__
-from .errors import EXIT_RUNTIME, EXIT_USAGE, SpecliError, UsageError
-from .engine import MAX_DRAFT, parse_draft_length
-from .loading import ModelChoice, load, plan
-from .sampling import SamplingParams
 
 EXIT_INTERRUPTED = 130
+
+
+def _exit_interrupted() -> None:
+    """Ctrl-C: one line, exit 130; a second Ctrl-C while leaving cannot print a traceback."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        print("specli: interrupted", file=sys.stderr)
+    except OSError:
+        pass
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
+# Importing what follows takes a while (llama.cpp's library among it): a Ctrl-C meanwhile is
+# still one line and exit 130, whether specli runs as `specli` or `python -m specli`.
+try:
+    import dataclasses
+    import json
+    import os
+    import traceback
+    from typing import Annotated, Optional
+
+    import typer
+
+    from . import __version__
+    from .errors import EXIT_RUNTIME, EXIT_USAGE, SpecliError, UsageError
+    from .engine import MAX_DRAFT, parse_draft_length
+    from .files import read_limited, strip_bom
+    from .llama import validate_ctx
+    from .loading import ModelChoice, load, plan
+    from .sampling import SamplingParams
+except KeyboardInterrupt:
+    _exit_interrupted()
+
+# --threads above this many per logical CPU is a typo, not a setting (llama.cpp would start them all).
+MAX_THREADS_PER_CPU = 4
 
 app = typer.Typer(
     add_completion=False,
@@ -71,6 +96,13 @@ def _model_choice(
     """Check the shared options (before any model loads) and bundle them."""
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1, got {threads}")
+    cpus = os.cpu_count()
+    if threads is not None and cpus and threads > MAX_THREADS_PER_CPU * cpus:
+        raise UsageError(
+            f"--threads {threads} is more than {MAX_THREADS_PER_CPU} per CPU of this machine ({cpus} CPUs); "
+            f"use at most {MAX_THREADS_PER_CPU * cpus}, or leave it out for one per physical core"
+        )
+    validate_ctx(ctx)
     if max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
     sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed).validate()
@@ -109,7 +141,7 @@ def _read_prompt(prompt: Optional[str]) -> str:
         if prompt is None and sys.stdin.isatty():
             raise UsageError("no prompt given; pass one (specli run \"...\") or pipe it (echo ... | specli run -)")
         try:
-            prompt = sys.stdin.buffer.read().decode("utf-8")
+            prompt = strip_bom(read_limited(sys.stdin.buffer, "the prompt on stdin")).decode("utf-8")
         except UnicodeDecodeError as err:
             raise UsageError(f"the prompt on stdin is not UTF-8 text (bad byte at offset {err.start}); convert it first, e.g. with iconv") from None
     try:
@@ -262,9 +294,17 @@ def chat(
 def main(argv: list[str] | None = None) -> int:
     """Entry point: runs the app, turns every failure into one line on stderr and an exit code.
 
-    (Typer itself turns Ctrl-C during option parsing or loading into exit 130, and a closed
-    stdout pipe into exit 1.)
+    (Typer itself turns Ctrl-C inside a command into exit 130, silently, and a closed stdout
+    pipe into exit 1.)
     """
+    try:
+        code = _main(argv)
+    except KeyboardInterrupt:  # outside a command, or while reporting an error
+        _exit_interrupted()
+    sys.exit(code)
+
+
+def _main(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         args = ["--help"]  # `specli` alone: the help, not an error
@@ -278,8 +318,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specli: error: {err}", file=sys.stderr)
         code = err.exit_code
     except KeyboardInterrupt:
-        print("specli: interrupted", file=sys.stderr)
-        code = EXIT_INTERRUPTED
+        _exit_interrupted()
+    except OSError as err:  # e.g. stdout on a full disk (-o /dev/full, > /dev/full)
+        if verbose:
+            traceback.print_exc()
+        _quiet_stdout()
+        where = f": {err.filename}" if err.filename else ""
+        print(f"specli: error: {err.strerror or err}{where} (run with --verbose for details)", file=sys.stderr)
+        code = EXIT_RUNTIME
     except Exception as err:
         if _is_click_error(err):
             print(f"specli: error: {_click_message(err)}", file=sys.stderr)
@@ -293,7 +339,21 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"specli: error: {type(err).__name__}: {err} (run with --verbose for details)", file=sys.stderr)
         code = EXIT_RUNTIME
-    sys.exit(code)
+    return code
+
+
+def _quiet_stdout() -> None:
+    """After a failed write to stdout, point it at /dev/null: the text still buffered would
+    fail again when Python flushes it on exit, and print a traceback of its own."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
 
 
 def _is_click_error(err: Exception) -> bool:
@@ -308,6 +368,9 @@ def _click_message(err) -> str:
 
 
 # Commands kept in their own modules register themselves on `app` when imported.
-from . import cli_models  # noqa: E402,F401
-from . import cli_bench  # noqa: E402,F401
-from . import cli_batch  # noqa: E402,F401
+try:
+    from . import cli_models  # noqa: E402,F401
+    from . import cli_bench  # noqa: E402,F401
+    from . import cli_batch  # noqa: E402,F401
+except KeyboardInterrupt:
+    _exit_interrupted()

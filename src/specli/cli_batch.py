@@ -21,7 +21,7 @@ from . import batch
 from .cli import (
     EXIT_INTERRUPTED, CtxOpt, DraftNglOpt, DraftOpt, LookupOpt, MinPOpt, ModelOpt, NDraftOpt, NglOpt, QuietOpt,
     RepeatLastNOpt, RepeatPenaltyOpt, TargetOnlyOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, VerboseOpt,
-    _load, _model_choice, _result_json, app,
+    _load, _model_choice, _result_json, app, sampling_json,
 )  # fmt: skip
 from .errors import EXIT_RUNTIME, UsageError
 from .files import ExclusiveLock, LockBusy, write_atomically
@@ -35,6 +35,7 @@ def batch_command(
     output: str = typer.Option("-", "-o", "--output", help="Output JSONL, one record per input line; '-' = stdout."),
     resume: bool = typer.Option(False, "--resume", help="Skip ids already done in the output file (the default when it exists)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over: replace an existing output file."),
+    force: bool = typer.Option(False, "--force", help="Resume even when the output's results were made with other settings (model, drafting, sampling)."),
     summary_path: Optional[Path] = typer.Option(None, "--summary", help="Also write the final summary as JSON to this file."),
     parallel: int = typer.Option(1, "--parallel", "-P", help="Sequences sharing each target pass (each with its own drafts and caches)."),
     input_format: str = typer.Option("auto", "--format", help="Input format: auto (by extension, else by the first line), jsonl or text."),
@@ -75,14 +76,14 @@ def batch_command(
     try:
         return _batch(
             input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens,
-            quiet=quiet, verbose=verbose,
+            quiet=quiet, verbose=verbose, force=force,
         )  # fmt: skip
     finally:
         if lock is not None:
             lock.release()
 
 
-def _batch(input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens, *, quiet, verbose) -> int:
+def _batch(input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens, *, quiet, verbose, force=False) -> int:
     """The run itself, with the output (if a file) locked."""
     from .llama import init_backend
     from .loading import plan
@@ -94,6 +95,8 @@ def _batch(input_path, output, out_path, overwrite, summary_path, parallel, inpu
 
     init_backend(verbose=verbose)
     the_plan = plan(choice)
+    if previous is not None and not force:
+        _refuse_other_settings(out_path, previous, entries, the_plan)
     if previous is not None and not quiet:
         print(_resume_notice(out_path, previous, entries), file=sys.stderr)
     loaded = _load(the_plan, choice, quiet=quiet, verbose=verbose)
@@ -160,6 +163,20 @@ def _lock_output(path: Path) -> ExclusiveLock:
     if not lock.supported:
         print(f"specli: warning: the file system of {path} has no file locks; nothing stops a second batch from writing it", file=sys.stderr)
     return lock
+
+
+def _refuse_other_settings(path: Path, previous: batch.Previous, entries: list[batch.Entry], the_plan) -> None:
+    """UsageError when the results already in the output were made with other settings than
+    this run's (target, drafter, draft length, sampling): resuming would mix them silently."""
+    drafting = the_plan.mode != "target-only"
+    run_settings = {"target": str(the_plan.target_path), "draft": the_plan.draft_label, "n_draft": the_plan.n_draft if drafting else 0}
+    differences = batch.settings_differences(previous, entries, run_settings, lambda item: sampling_json(item.sampling))
+    if differences:
+        shown = "; ".join(differences[:6]) + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
+        raise UsageError(
+            f"{path} holds results made with other settings: {shown}; resuming would mix them in one file: "
+            "pass --force to resume anyway, --overwrite to start over, or pick another -o"
+        )
 
 
 def _resume_notice(path: Path, previous: batch.Previous, entries: list[batch.Entry]) -> str:

@@ -357,8 +357,8 @@ def fit_cmd(
         raise UsageError(f"--kv-type must be one of {', '.join(fit.KV_TYPES)}, got {kv_type!r}")
     if ngl < -1 or draft_ngl < -1:
         raise UsageError("--ngl and --draft-ngl must be -1 (all layers) or a layer count >= 0")
-    if not overhead_gb >= 0:
-        raise UsageError(f"--overhead-gb must be >= 0, got {overhead_gb}")
+    if not 0 <= overhead_gb <= 1e6:  # also refuses nan and inf
+        raise UsageError(f"--overhead-gb must be a number of GB from 0 to 1000000, got {overhead_gb}")
     if not 1 <= n_draft <= 64:
         raise UsageError(f"--n-draft must be between 1 and 64, got {n_draft}")
 

@@ -218,8 +218,9 @@ class SpeculativeDecoder:
             if room <= 0:
                 gen._finish(STOP_CONTEXT_FULL)
                 return
-            # A pass emits up to k+1 tokens; keep them within the budget and the context.
-            k = min(self.n_draft, remaining - 1, room - 1)
+            # A pass emits up to k+1 tokens; keep them within the budget and the context, and
+            # the pass [last, d1..dk] within one llama.cpp batch (a small -c makes it small).
+            k = min(self.n_draft, remaining - 1, room - 1, model_tgt.n_batch - 1)
 
             t_draft = time.perf_counter()
             proposal = drafter.propose(context, k, self.judge) if (drafter is not None and k > 0) else Proposal([])

@@ -1,5 +1,6 @@
-"""Writing files so that a crash never leaves half of one (batch output, the policy cache), and
-the lock that keeps two `batch` runs from writing one output."""
+"""Writing files so that a crash never leaves half of one (batch output, the policy cache), the
+lock that keeps two `batch` runs from writing one output, and reading inputs with a size limit
+(a prompt or an input file named /dev/zero must not fill the memory)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,74 @@ import errno
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import IO, Iterable
+
+from .errors import UsageError
+
+# Prompts and input files (`run -`, `batch INPUT`, `bench --prompts`) are read up to this many
+# bytes; the variable raises (or lowers) it.
+MAX_INPUT_ENV = "SPECLI_MAX_INPUT_BYTES"
+DEFAULT_MAX_INPUT_BYTES = 64 << 20
+_READ_CHUNK = 1 << 20
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def write_atomically(path: Path, lines: Iterable[str]) -> None:
-    """Replace `path` with `lines` so that a crash leaves either the old file or the new one."""
+def max_input_bytes() -> int:
+    """The input size limit: $SPECLI_MAX_INPUT_BYTES, else 64 MiB. UsageError when it is not
+    a whole number >= 1."""
+    text = os.environ.get(MAX_INPUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_INPUT_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UsageError(f"{MAX_INPUT_ENV} must be a whole number of bytes >= 1, got {text!r}")
+    return value
+
+
+def read_limited(handle: IO[bytes], what: str) -> bytes:
+    """All of `handle` (a binary stream), refusing to read past max_input_bytes(): UsageError
+    naming `what`, the limit and how to raise it. Reads in chunks, so memory follows the input."""
+    limit = max_input_bytes()
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = handle.read(min(_READ_CHUNK, limit + 1 - size))
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise UsageError(
+                f"{what} is larger than the input limit of {_describe_size(limit)}; "
+                f"raise it with {MAX_INPUT_ENV}=BYTES (e.g. {MAX_INPUT_ENV}={limit * 4}) if this is really your input"
+            )
+
+
+def strip_bom(data: bytes) -> bytes:
+    """`data` without a leading UTF-8 byte-order mark (editors on Windows write one)."""
+    return data[len(UTF8_BOM) :] if data.startswith(UTF8_BOM) else data
+
+
+def _describe_size(n_bytes: int) -> str:
+    if n_bytes >= 1 << 20 and n_bytes % (1 << 20) == 0:
+        return f"{n_bytes >> 20} MiB ({n_bytes} bytes)"
+    return f"{n_bytes} bytes"
+
+
+def write_atomically(path: str | os.PathLike, lines: Iterable[str], *, mode: int | None = None) -> Path:
+    """Replace `path` with `lines` so that a crash leaves either the old file or the new one.
+    A symlink stays a link (its target is replaced); the file keeps its permission bits, a new
+    one gets the umask's (`mode` overrides). Returns the path really written."""
+    path = Path(os.path.realpath(path))
+    if mode is None:
+        mode = _mode_of(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if hasattr(os, "fchmod"):  # not on Windows
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             for line in lines:
                 handle.write(line + "\n")
@@ -24,6 +86,27 @@ def write_atomically(path: Path, lines: Iterable[str]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    return path
+
+
+def _mode_of(path: Path) -> int:
+    """The permission bits `path` has, or those a new file gets under the umask."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def replace_text(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` through write_atomically: a failure (a full disk, a folder where
+    nothing can be created) leaves the earlier file as it was. Returns the path really written.
+    Raises OSError."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # write_atomically ends every line with a newline itself
+    return write_atomically(path, lines)
 
 
 class LockBusy(Exception):

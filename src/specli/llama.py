@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,10 +61,67 @@ def _on_native_log(level: int, text: bytes | None, _user_data: ctypes.c_void_p) 
     with _log_lock:
         _recent_log.append((level, line))
     if _verbose:
-        os.write(2, text or b"")
+        try:
+            os.write(2, text or b"")
+        except OSError:  # stderr closed or full: the log is not worth failing for
+            pass
 
 
 _log_callback = llama_cpp.llama_log_callback(_on_native_log)
+
+
+# --- Ctrl-C inside native calls ---------------------------------------------------------------
+# llama.cpp calls back into Python (the log above, the load's progress below) while it loads or
+# decodes. Python runs a SIGINT handler at the next Python instruction, which is then inside such
+# a callback: a KeyboardInterrupt raised there cannot cross the C frames; ctypes prints it and
+# drops it, and the load goes on. So while a native call that may call back runs (`with
+# _native:`), specli's SIGINT handler only records the request; the load's progress callback then
+# cancels the load, and KeyboardInterrupt is raised once the call returns. Outside such calls the
+# handler is Python's own (KeyboardInterrupt at once). Entering and leaving costs two integer
+# updates: it sits around every decode.
+_interrupt_requested = False
+_native_depth = 0
+
+
+def _on_sigint(signum, frame) -> None:
+    global _interrupt_requested
+    if _native_depth:
+        _interrupt_requested = True
+    else:
+        signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt
+
+
+def _install_sigint_handler() -> None:
+    """Take over SIGINT, only where it has Python's default handler (a program that set its
+    own keeps it) and only from the main thread (the only one that may)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+def _on_load_progress(_progress: float, _user_data: ctypes.c_void_p) -> bool:
+    return not _interrupt_requested  # False cancels the load
+
+
+_progress_callback = llama_cpp.llama_progress_callback(_on_load_progress)
+
+
+class _NativeCall:
+    """`with _native:` around a native call that may call back into Python: a Ctrl-C during
+    it comes out as KeyboardInterrupt when the outermost such block is left."""
+
+    def __enter__(self) -> None:
+        global _native_depth
+        _native_depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _native_depth, _interrupt_requested
+        _native_depth -= 1
+        if _interrupt_requested and not _native_depth:
+            _interrupt_requested = False
+            raise KeyboardInterrupt
+
+
+_native = _NativeCall()
 
 
 def init_backend(*, verbose: bool = False) -> None:
@@ -71,8 +129,10 @@ def init_backend(*, verbose: bool = False) -> None:
     global _backend_ready, _verbose
     _verbose = verbose
     if not _backend_ready:
-        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
+        _install_sigint_handler()
+        with _native:
+            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
         _backend_ready = True
 
 
@@ -142,12 +202,19 @@ class LlamaModel:
         init_backend(verbose=_verbose)
         path = Path(path)
         check_gguf_file(path)
+        __import__("specli.fit").fit.check_model_header(path)  # header facts llama.cpp would abort on
         self.path = path
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
+        mparams.progress_callback = _progress_callback  # cancels the load on Ctrl-C
         _recent_log.clear()
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        with _native:
+            model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+            if _interrupt_requested:  # cancelled (or loaded just as Ctrl-C came): give it back
+                if model:
+                    llama_cpp.llama_model_free(model)
+                model = None
         if not model:
             reason = _last_native_error() or "the file is truncated, corrupt or of an unsupported architecture"
             raise ModelFileError(f"llama.cpp could not load {path}: {reason} (re-download the file; --verbose shows llama.cpp's log)")
@@ -165,7 +232,16 @@ class LlamaModel:
         cparams.no_perf = True
         cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
         cparams.flash_attn_type = FLASH_ATTN[flash_attn]
-        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        try:
+            with _native:
+                ctx = llama_cpp.llama_init_from_model(model, cparams)
+                if _interrupt_requested and ctx:
+                    llama_cpp.llama_free(ctx)
+                    ctx = None
+        except BaseException:  # Ctrl-C while the context was made: free the weights too
+            llama_cpp.llama_model_free(model)
+            self._model = None
+            raise
         if not ctx:
             llama_cpp.llama_model_free(model)
             self._model = None
@@ -276,13 +352,15 @@ class LlamaModel:
             batch.logits[i] = logits == "all"
         if logits == "last":
             batch.logits[n - 1] = True
-        status = llama_cpp.llama_decode(self._ctx, batch)
-        if status == 0:
-            self.cached.extend(chunk)
-        else:
+        with _native:  # a Ctrl-C comes out after the bookkeeping
+            status = llama_cpp.llama_decode(self._ctx, batch)
+            if status == 0:
+                self.cached.extend(chunk)
+            else:
+                # The cache may hold part of the chunk now: drop it so `cached` stays true.
+                llama_cpp.llama_memory_seq_rm(self._memory, 0, pos0, -1)
+        if status != 0:
             reason = _last_native_error() or f"llama_decode returned {status}"
-            # The cache may hold part of the chunk now: drop it so `cached` stays true.
-            llama_cpp.llama_memory_seq_rm(self._memory, 0, pos0, -1)
             raise SpecliError(f"decoding failed at position {pos0}: {reason}")
         return n if logits == "all" else (1 if logits == "last" else 0)
 
@@ -374,7 +452,11 @@ class MultiSequenceContext:
         cparams.no_perf = True
         cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
         cparams.flash_attn_type = FLASH_ATTN[flash_attn]
-        ctx = llama_cpp.llama_init_from_model(model._model, cparams)
+        with _native:
+            ctx = llama_cpp.llama_init_from_model(model._model, cparams)
+            if _interrupt_requested and ctx:
+                llama_cpp.llama_free(ctx)
+                ctx = None
         if not ctx:
             reason = _last_native_error() or "not enough memory?"
             raise SpecliError(
@@ -421,14 +503,17 @@ class MultiSequenceContext:
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = seq
             batch.logits[i] = want_logits
-        status = llama_cpp.llama_decode(self._ctx, batch)
+        with _native:  # a Ctrl-C comes out after the bookkeeping
+            status = llama_cpp.llama_decode(self._ctx, batch)
+            if status != 0:
+                for seq in {seq for seq, _, _ in chunk}:  # drop what may have landed, keep `cached` true
+                    llama_cpp.llama_memory_seq_rm(self._memory, seq, len(self.cached[seq]), -1)
+            else:
+                for seq, _, token in chunk:
+                    self.cached[seq].append(token)
         if status != 0:
             reason = _last_native_error() or f"llama_decode returned {status}"
-            for seq in {seq for seq, _, _ in chunk}:  # drop what may have landed, keep `cached` true
-                llama_cpp.llama_memory_seq_rm(self._memory, seq, len(self.cached[seq]), -1)
             raise SpecliError(f"decoding {len(chunk)} tokens of {len({s for s, _, _ in chunk})} sequences failed: {reason}")
-        for seq, _, token in chunk:
-            self.cached[seq].append(token)
 
     def truncate(self, seq: int, n_keep: int) -> None:
         """Forget positions >= n_keep of sequence `seq`."""
@@ -527,9 +612,17 @@ def default_threads() -> int:
     return max(1, cores or os.cpu_count() or 1)
 
 
+MIN_CTX = 16
+# llama.cpp keeps n_ctx in 32 bits (a larger -c would wrap around silently); 16M tokens is more
+# than any GGUF model is trained for.
+MAX_CTX = 1 << 24
+
+
 def validate_ctx(n_ctx: int) -> None:
-    if n_ctx < 16:
-        raise UsageError(f"context size {n_ctx} is too small; use -c 16 or more (default 4096)")
+    if n_ctx < MIN_CTX:
+        raise UsageError(f"context size {n_ctx} is too small; use -c {MIN_CTX} or more (default 4096)")
+    if n_ctx > MAX_CTX:
+        raise UsageError(f"context size {n_ctx} is over the maximum of {MAX_CTX} tokens (16M); use a smaller -c")
 
 
 FILE_TYPES = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
@@ -546,7 +639,8 @@ def convert(src: Path, dst: Path, file_type: str, *, n_threads: int | None = Non
     params.ftype = FILE_TYPES[file_type]
     params.allow_requantize = True
     params.nthread = n_threads or default_threads()
-    status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    with _native:
+        status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if status != 0:
         raise SpecliError(f"converting {src} to {file_type} failed: {_last_native_error() or status}")
     return Path(dst)

@@ -15,6 +15,7 @@ import importlib.resources
 import json
 import os
 import re
+import stat as _stat
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -148,12 +149,33 @@ def load_registry(path: Path | None = None) -> Registry:
     return parse_registry(text, label, path=path)
 
 
+# A models.toml is a few kilobytes; a larger file is a wrong path (a log, a disk image).
+MAX_REGISTRY_BYTES = 4 << 20
+
+
 def _read_file(path: Path) -> str:
-    """The text of a registry file; RegistryError naming it when unreadable or not UTF-8."""
+    """The text of a registry file; RegistryError naming it when unreadable, not a regular
+    file (a device such as /dev/zero, a FIFO: never read), over MAX_REGISTRY_BYTES or not UTF-8."""
     try:
-        return path.read_text(encoding="utf-8")
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below anyway.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise RegistryError(f"cannot read model registry {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not _stat.S_ISREG(info.st_mode):
+            kind = "a directory" if _stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise RegistryError(f"model registry {path} is {kind}; give the path of a models.toml file")
+        if info.st_size > MAX_REGISTRY_BYTES:
+            raise RegistryError(f"model registry {path} is {info.st_size} bytes, over the {MAX_REGISTRY_BYTES >> 20} MiB a models.toml may have; check the path")
+        try:
+            data = handle.read(MAX_REGISTRY_BYTES + 1)
+        except OSError as exc:
+            raise RegistryError(f"cannot read model registry {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_REGISTRY_BYTES:  # it grew meanwhile
+        raise RegistryError(f"model registry {path} is over the {MAX_REGISTRY_BYTES >> 20} MiB a models.toml may have; check the path")
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError:
         raise RegistryError(f"{path}: not UTF-8 text") from None
 
@@ -539,38 +561,223 @@ def _resolve_package(module_name: str) -> Path:
         # The module itself, or one of its chunk packages, is not installed.
         reason = f"module {module_name} is not installed"
         raise RegistryError(DEMO_EXTRA_HINT.format(reason=reason)) from None
+    except _BrokenPackage as exc:
+        # A chunk file missing or unreadable, or chunks that do not add up to the checksum.
+        dist = module_name.replace("_", "-")
+        raise RegistryError(
+            f"could not assemble the model file from {module_name}: {exc}; its installed files are "
+            f"damaged: reinstall them with pip install --force-reinstall {dist}"
+        ) from None
     except (OSError, ValueError) as exc:
-        # A missing chunk file, a full disk, or a checksum mismatch from assemble().
+        # A package without the chunk interface: its own assemble() failed.
         raise RegistryError(
             f"could not assemble the model file from {module_name}: {exc}; "
             f"reinstall it: pip install --force-reinstall 'specli[demo]'"
         ) from None
 
 
-def _assemble_once(module) -> Path:
-    """The package's assemble(), skipped when its output is unchanged since it last succeeded.
+# Where the assembled demo model goes: this folder when set, else the package's own default
+# (~/.cache/<package>/), which follows HOME.
+DEMO_DIR_ENV = "SPECLI_DEMO_DIR"
+_LOCK_WAIT_S = 600.0  # another process assembling the same file: wait this long at most
 
-    assemble() re-hashes the whole file on every call (half a second for Gemma 270M); a stamp of
-    the file's size and mtime beside it remembers that the hash was checked.
+
+class _BrokenPackage(Exception):
+    """The installed chunk files cannot make the model: reinstalling the package fixes it."""
+
+
+def _chunked(module) -> bool:
+    """True when the package exposes its chunks (the gemma3_*_gguf interface): then specli
+    assembles the file itself, atomically, instead of calling the package's assemble() (which
+    writes the target in place: a kill leaves a partial file that it then refuses forever)."""
+    return all(hasattr(module, name) for name in ("chunk_paths", "EXPECTED_SHA256", "MODEL_NAME"))
+
+
+def package_output_path(module) -> Path:
+    """The assembled file's path, computed without creating anything: $SPECLI_DEMO_DIR/NAME
+    when set, else ~/.cache/<package>/NAME (where the package's own assemble() puts it)."""
+    folder = os.environ.get(DEMO_DIR_ENV)
+    base = Path(folder).expanduser() if folder else Path.home() / ".cache" / module.__name__.split(".")[0]
+    return base / module.MODEL_NAME
+
+
+def _assemble_once(module) -> Path:
+    """The package's GGUF, assembled from its chunks when it is missing, partial or damaged.
+
+    A stamp of the file's size and mtime beside it remembers that its sha256 was checked
+    (hashing Gemma 270M takes half a second). The file is written to a temporary file in the
+    same folder and renamed into place once its sha256 matches, so a kill at any point leaves
+    either no file or the whole one; a partial file left by an older assembly (the package's
+    own assemble() writes in place) is detected by its size or hash and replaced.
     """
-    default_path = getattr(module, "default_output_path", None)
-    if default_path is not None:
-        path = Path(default_path())
-        stamp = path.with_name(path.name + ".specli-verified")
+    if not _chunked(module):
+        return Path(module.assemble())
+    target = package_output_path(module)
+    try:
+        chunks = [Path(p) for p in module.chunk_paths()]
+        size = sum(chunk.stat().st_size for chunk in chunks)
+    except FileNotFoundError as err:
+        raise _BrokenPackage(f"chunk file {err.filename} is missing") from None
+    except OSError as err:
+        raise _BrokenPackage(f"cannot read chunk file {err.filename}: {err.strerror}") from None
+    expected = module.EXPECTED_SHA256
+    if _verified(target, size, expected):
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RegistryError(_write_problem(err, target, size)) from None
+    lock = _lock_folder(target, size)
+    try:
+        if _verified(target, size, expected):  # another process finished it while we waited
+            return target
+        if lock.supported:
+            _remove_stale_temporaries(target)  # their writers are dead: we hold the lock
+        _write_assembled(target, chunks, size, expected)
+    finally:
+        lock.release()
+    return target
+
+
+def _stamp_path(target: Path) -> Path:
+    return target.with_name(target.name + ".specli-verified")
+
+
+def _verified(target: Path, size: int, expected: str) -> bool:
+    """True when `target` is the whole, correct file (size first, then stamp or sha256)."""
+    try:
+        stat = target.stat()
+    except OSError:
+        return False
+    if stat.st_size != size:
+        return False
+    stamp = _stamp_path(target)
+    try:
+        if stamp.read_text() == f"{stat.st_size} {stat.st_mtime_ns}":
+            return True
+    except OSError:
+        pass
+    try:
+        if _sha256(target) != expected:
+            return False
+    except OSError:
+        return False
+    _write_stamp(target)
+    return True
+
+
+def _write_stamp(target: Path) -> None:
+    try:
+        stat = target.stat()
+        _stamp_path(target).write_text(f"{stat.st_size} {stat.st_mtime_ns}")
+    except OSError:
+        pass  # read-only cache: the hash is simply checked on each run
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _lock_folder(target: Path, size: int):
+    """Hold the assembly lock of `target` (waiting while another process assembles it)."""
+    import time
+
+    from .files import ExclusiveLock, LockBusy
+
+    lock = ExclusiveLock(target.with_name(f".{target.name}.lock"))
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
         try:
-            stat = path.stat()
-            if stamp.read_text() == f"{stat.st_size} {stat.st_mtime_ns}":
-                return path
+            return lock.acquire()
+        except LockBusy as busy:
+            if time.monotonic() > deadline:
+                who = f"PID {busy.pid}" if busy.pid else "another process"
+                raise RegistryError(f"{who} has been assembling {target} for over {_LOCK_WAIT_S:.0f} s; "
+                                    f"stop it, or set {DEMO_DIR_ENV} to another folder") from None
+            time.sleep(0.2)
+        except OSError as err:
+            raise RegistryError(_write_problem(err, target, size)) from None
+
+
+def _temporaries(target: Path) -> list[Path]:
+    return sorted(target.parent.glob(f".{target.name}.*.tmp"))
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    for path in _temporaries(target):
+        try:
+            path.unlink()
         except OSError:
             pass
-    path = Path(module.assemble())
-    if default_path is not None and path == Path(default_path()):
-        stat = path.stat()
+
+
+def _write_assembled(target: Path, chunks: list[Path], size: int, expected: str) -> None:
+    """Concatenate `chunks` into a temporary file beside `target`, check the sha256 on the way,
+    fsync, and rename it over `target`; nothing is left behind on failure."""
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha256()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as err:
+        raise RegistryError(_write_problem(err, target, size)) from None
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                try:
+                    source = chunk.open("rb")
+                except OSError as err:
+                    raise _BrokenPackage(f"cannot read chunk file {chunk}: {err.strerror}") from None
+                with source:
+                    while True:
+                        try:
+                            block = source.read(1 << 20)
+                        except OSError as err:
+                            raise _BrokenPackage(f"cannot read chunk file {chunk}: {err.strerror}") from None
+                        if not block:
+                            break
+                        digest.update(block)
+                        try:
+                            out.write(block)
+                        except OSError as err:
+                            raise RegistryError(_write_problem(err, target, size)) from None
+            try:
+                out.flush()
+                os.fsync(out.fileno())
+            except OSError as err:
+                raise RegistryError(_write_problem(err, target, size)) from None
+        if digest.hexdigest() != expected:
+            raise _BrokenPackage("the chunks do not add up to the expected sha256")
         try:
-            stamp.write_text(f"{stat.st_size} {stat.st_mtime_ns}")
+            os.replace(tmp, target)
+        except OSError as err:
+            raise RegistryError(_write_problem(err, target, size)) from None
+    except BaseException:
+        try:
+            os.unlink(tmp)
         except OSError:
-            pass  # read-only cache: assemble() will simply run each time
-    return path
+            pass
+        raise
+    _write_stamp(target)
+
+
+def _write_problem(err: OSError, target: Path, size: int) -> str:
+    """One line for a failure to write the assembled file: what, where, and how to fix it."""
+    import errno
+
+    where = target.parent
+    how = f"set {DEMO_DIR_ENV} to a writable folder with room (e.g. export {DEMO_DIR_ENV}=/tmp/specli-demo), or pass -m PATH to a GGUF file"
+    if err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return f"not enough disk space in {where} for the default model ({size / 1e6:.0f} MB): free some, or {how}"
+    reason = err.strerror or str(err)
+    return f"cannot write the default model to {where} ({reason}): {how}"
 
 
 def _resolve_hf(source: ModelSource) -> Path:
@@ -665,15 +872,21 @@ def source_status(source: ModelSource) -> SourceStatus:
 
 
 def _package_status(module_name: str) -> SourceStatus:
-    """Importable module and an existing assembled file (its default_output_path)."""
+    """Importable module and an existing assembled file of the right size (cheap: no hash)."""
     import importlib.util
 
     if importlib.util.find_spec(module_name) is None:
         return SourceStatus(False, None, f"package {module_name} not installed")
     try:
         module = importlib.import_module(module_name)
-        default_path = getattr(module, "default_output_path", None)
-        path = Path(default_path()) if default_path is not None else None
+        if _chunked(module):
+            path = package_output_path(module)
+            size = sum(Path(chunk).stat().st_size for chunk in module.chunk_paths())
+            if path.is_file() and path.stat().st_size != size:
+                return SourceStatus(False, None, f"package {module_name} installed, assembled file incomplete (redone on first use)")
+        else:
+            default_path = getattr(module, "default_output_path", None)
+            path = Path(default_path()) if default_path is not None else None
     except Exception:  # a broken install: report it as not available, never crash a listing
         return SourceStatus(False, None, f"package {module_name} does not import")
     if path is not None and path.is_file():

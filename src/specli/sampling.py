@@ -153,7 +153,10 @@ def probabilities(logits: np.ndarray, params: SamplingParams, history: Sequence[
         ids, vals = ids[keep], vals[keep]
 
     probs = np.zeros(n_vocab, dtype=np.float64)
-    probs[ids] = _softmax(vals / params.temperature)
+    # Shifted before dividing, so that a tiny temperature (even 1e-310) cannot overflow into
+    # inf - inf: the best logit becomes 0, the others fall towards -inf, whose exp is 0.
+    with np.errstate(over="ignore"):
+        probs[ids] = _softmax((vals - vals.max()) / params.temperature)
     return probs
 
 
@@ -167,16 +170,36 @@ def greedy_choice(logits: np.ndarray, params: SamplingParams, history: Sequence[
     return int(np.argmax(_penalize(logits, params, history)))
 
 
+# Where a penalised logit leaves float64's range (a penalty as small as 1e-310 or as large as
+# 1e310 is valid), it saturates here: far beyond any real logit, yet far enough from float64's
+# limit that subtracting two of them cannot overflow.
+_PENALIZED_LIMIT = 1e300
+
+
 def _penalize(row: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
-    """row with the repetition penalty applied: a copy when anything changes, else row itself."""
+    """row with the repetition penalty applied: a copy when anything changes, else row itself.
+
+    Computed in the row's dtype (float32, as llama.cpp) unless that overflows (a penalty
+    beyond float32's range or so small that it rounds to 0 there): then in float64, the row
+    returned as float64, with values past +-_PENALIZED_LIMIT saturated (ties among them).
+    """
     if params.repeat_penalty == 1.0 or params.repeat_last_n <= 0 or len(history) == 0:
         return row
     recent = np.unique(np.asarray(history[-params.repeat_last_n :], dtype=np.int64))
     # llama.cpp looks candidates up in its token counts, so ids outside the vocabulary never match
     recent = recent[(recent >= 0) & (recent < row.shape[0])]
-    out = row.copy()
-    seen = out[recent]
-    out[recent] = np.where(seen <= 0, seen * params.repeat_penalty, seen / params.repeat_penalty)
+    penalty = params.repeat_penalty
+    seen = row[recent]
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore", under="ignore"):
+        penalized = np.where(seen <= 0, seen * penalty, seen / penalty)
+        if np.isfinite(penalized).all():
+            out = row.copy()
+            out[recent] = penalized
+            return out
+        seen = seen.astype(np.float64)
+        penalized = np.where(seen <= 0, seen * penalty, seen / penalty)
+    out = row.astype(np.float64)
+    out[recent] = np.clip(np.nan_to_num(penalized, nan=0.0), -_PENALIZED_LIMIT, _PENALIZED_LIMIT)
     return out
 
 
