@@ -83,7 +83,7 @@ PROBE_EVERY_MIN = 4  # plain steps before a re-probe, at least
 PROBE_BUDGET = 0.02  # probes that do not pay take at most this share of the time,
 PROBE_CREDIT = 1.0  # plus at most this many plain steps' worth saved up while none was due (about one probe:
 # more, and every short reply after a long plain stretch paid for a burst of probes)
-LONG_MATCH = 16  # a lookup draft copied after a match this long is judged on a record of its own
+LONG_MATCH = 12  # a lookup draft copied after a match this long (native ngram-simple's key) has a record of its own
 LONG_SUFFIX = ":long"  # (named like its drafter, with this suffix)
 SEED_TRUST = 1.5  # saved costs are dropped when a run's own passes differ by more than this factor
 SEED_CHECKS = 3  # own passes of each kind (one-token, wide) that confirm or refute them
