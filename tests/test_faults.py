@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -262,3 +263,95 @@ def test_a_resume_with_other_settings_is_refused_without_force(tmp_path, pair_pe
     forced = specli(*first, "-m", target, "--temperature", "0.5", "--lookup", "--force")
     assert forced.returncode == 0, forced.stderr
     assert [r["sampling"]["temperature"] for r in records(out)] == [0.0, 0.0, 0.5]
+
+
+# --- issue 19, leftovers: outputs checked before loading, chat's endless line, 32-bit options ---
+@contextmanager
+def unwritable(path: Path):
+    """`path` (a file or a folder) that cannot be written while the block runs: its permission
+    bits, or, for root (whom they do not bind), the immutable attribute."""
+    if os.geteuid() != 0:
+        mode = path.stat().st_mode & 0o7777
+        path.chmod(0o555 if path.is_dir() else 0o444)
+        undo = lambda: path.chmod(mode)  # noqa: E731
+    else:
+        try:
+            made = subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+        except FileNotFoundError:
+            made = False
+        if not made:
+            pytest.skip("running as root, and chattr +i does not work here")
+        undo = lambda: subprocess.run(["chattr", "-i", str(path)], check=True)  # noqa: E731
+    try:
+        yield path
+    finally:
+        undo()
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_models_load(tmp_path, pair_perturbed):
+    target = str(pair_perturbed[0])
+    missing_model = str(tmp_path / "not-there.gguf")  # the outputs are checked even before -m is looked at
+    prompts = tmp_path / "in.txt"
+    prompts.write_text("hello\nworld\n")
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text(json.dumps({"id": 1, "prompt": "hello", "text": " there"}) + "\n")
+    before = (kept.read_bytes(), kept.stat().st_mtime_ns)
+    fresh = tmp_path / "out.jsonl"
+    batch = ["batch", str(prompts), *ONE, "--max-tokens", "3", "-q"]
+    with unwritable(folder), unwritable(kept):
+        result = specli(*batch, "-m", missing_model, "-o", str(folder / "out.jsonl"))
+        assert_one_line_error(result, 2, "cannot write -o", str(folder), "nothing can be created")
+        result = specli(*batch, "-m", target, "-o", str(kept))
+        assert_one_line_error(result, 2, f"cannot write -o {kept}")
+        result = specli(*batch, "-m", missing_model, "-o", str(fresh), "--summary", str(folder / "summary.json"))
+        assert_one_line_error(result, 2, "cannot write the --summary file", str(folder))
+        result = specli("bench", "-m", missing_model, *ONE, "--json", str(folder / "bench.json"))
+        assert_one_line_error(result, 2, "cannot write the --json file", str(folder))
+        result = specli("bench", "-m", missing_model, *ONE, "--csv", str(kept))
+        assert_one_line_error(result, 2, f"cannot write the --csv file {kept}")
+    result = specli(*batch, "-m", missing_model, "-o", str(fresh), "--summary", str(tmp_path))
+    assert_one_line_error(result, 2, "--summary", "is a directory")
+    assert (kept.read_bytes(), kept.stat().st_mtime_ns) == before
+    assert not fresh.exists() and list(folder.iterdir()) == []
+    # Writable: the same run goes through.
+    result = specli(*batch, "-m", target, "-o", str(fresh), "--summary", str(tmp_path / "summary.json"))
+    assert result.returncode == 0, result.stderr
+    assert len(records(fresh)) == 2 and json.loads((tmp_path / "summary.json").read_text())["done"] == 2
+
+
+def test_chat_stops_reading_an_endless_line_at_the_stated_limit(pair_perturbed):
+    target = str(pair_perturbed[0])
+    with open("/dev/zero", "rb") as zero:
+        result = specli_with(["chat", "-m", target, *ONE, "-q"], stdin=zero)
+    assert result.returncode == 2 and result.stdout == b"", result.stderr
+    one_line(result.stderr, "a chat message on stdin", "64 MiB", "SPECLI_MAX_INPUT_BYTES")
+    # A smaller limit: the message before the long one is answered, then the session ends, also
+    # for a message continued over many lines (each ending in a backslash).
+    small = {"SPECLI_MAX_INPUT_BYTES": "16"}
+    chat = ["chat", "-m", target, *ONE, "-q", "--max-tokens", "3", "--temperature", "0"]
+    for long_message in ("x" * 17 + "\n", "abcd\\\n" * 5 + "end\n"):
+        result = specli(*chat, stdin="hello\n" + long_message + "never read\n", env=small)
+        assert result.returncode == 2, result.stderr
+        assert result.stdout != ""  # the reply to "hello"
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "a chat message on stdin" in lines[0] and "16 bytes" in lines[0], result.stderr
+    result = specli(*chat, stdin="x" * 16 + "\r\n", env=small)  # exactly the limit is accepted
+    assert result.returncode == 0, result.stderr
+
+
+def test_parallel_and_gpu_layers_beyond_their_maximum_are_refused(pair_perturbed):
+    target = str(pair_perturbed[0])
+    for value in (str(2**32 + 2), "257", "0"):
+        result = specli("batch", "-", "-m", target, *ONE, "--parallel", value, stdin="hi\n")
+        assert_one_line_error(result, 2, "--parallel must be from 1 to 256", value)
+    result = specli("batch", "-", "-m", target, *ONE, "-P", "2", "-c", "9000000", stdin="hi\n")
+    assert_one_line_error(result, 2, "--parallel 2 with -c 9000000", "16,777,216")
+    for command, option, value in (("run", "--ngl", str(2**32)), ("run", "--draft-ngl", "-2"), ("chat", "--ngl", "10001"),
+                                   ("batch", "--draft-ngl", str(2**31)), ("bench", "--ngl", "-3")):
+        args = [command, "hi"] if command == "run" else [command, "-"] if command == "batch" else [command]
+        result = specli(*args, "-m", target, *ONE, option, value, stdin="hi\n")
+        assert_one_line_error(result, 2, option, "-1 (all layers)", "0 to 10,000", value)
+    result = specli("fit", "-m", target, "--ngl", str(2**32))
+    assert_one_line_error(result, 2, "--ngl", "0 to 10,000")

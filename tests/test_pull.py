@@ -350,6 +350,25 @@ def test_unreachable_hub_with_the_file_cached_exits_0(env, hub):
     assert "2 already present" in result.stderr
 
 
+def test_no_network_is_one_line_at_once_not_five_retries(env, hub):
+    # A host name that never resolves (RFC 6761's .invalid), as every name does on a machine
+    # without a network: the hub client alone would retry the lookup 5 times over 24 s, a line
+    # each. The bound is the subprocess timeout, not a timing threshold.
+    offline_env = {**env, "HF_ENDPOINT": "http://specli-test.invalid"}
+    result = subprocess.run([sys.executable, "-m", "specli", "pull", "pair"], capture_output=True, text=True,
+                            timeout=30, env=offline_env)
+    assert_one_line_error(result, 1, "no network", "specli-test.invalid does not resolve",
+                          "org/target-GGUF/target-Q4_K_M.gguf", "-m PATH", "HF_HUB_OFFLINE=1")
+    assert result.stderr.count("\n") == 1 and "Retry" not in result.stderr, result.stderr
+    assert hub.heads == [] and hub.gets == []
+    # Files already in the cache need no network.
+    assert pull(env, "pair").returncode == 0
+    cached = subprocess.run([sys.executable, "-m", "specli", "pull", "pair"], capture_output=True, text=True,
+                            timeout=30, env=offline_env)
+    assert cached.returncode == 0, cached.stderr
+    assert len(cached.stdout.splitlines()) == 2 and "2 already present" in cached.stderr
+
+
 @pytest.mark.parametrize("args, code, fragment", [
     (("nope",), 2, "unknown model 'nope'"),
     (("model.gguf",), 2, "takes a models.toml name"),

@@ -18,7 +18,7 @@ from typing import Callable, Optional, TextIO
 
 from .engine import AUTO, MAX_DRAFT, parse_draft_length
 from .errors import UsageError
-from .files import replace_text
+from .files import input_limit_error, max_input_bytes, replace_text
 from .llama import LlamaModel, apply_chat_template, builtin_chat_templates
 from .loading import Loaded
 from .stats import Stats
@@ -192,15 +192,21 @@ class Totals:
 
 
 # --- input ---------------------------------------------------------------------------------------
+MESSAGE_WHAT = "a chat message on stdin"
+
+
 class LineReader:
     """Reads the user's lines: readline-backed input() on a terminal, plain lines from a pipe.
 
     read(prompt) returns the line without its newline, or None at end of input. Prompts are
-    shown only on a terminal, and never on stdout unless stdout is that terminal.
+    shown only on a terminal, and never on stdout unless stdout is that terminal. A line longer
+    than `limit` bytes (default: the input limit, files.max_input_bytes()) is a UsageError, and
+    no more of it is read: `specli chat < /dev/zero` stops there instead of reading forever.
     """
 
-    def __init__(self, stdin: TextIO, stdout: TextIO, stderr: TextIO):
+    def __init__(self, stdin: TextIO, stdout: TextIO, stderr: TextIO, *, limit: Optional[int] = None):
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.limit = max_input_bytes() if limit is None else limit
         self.interactive = stdin.isatty()
         if self.interactive:
             try:
@@ -210,30 +216,46 @@ class LineReader:
 
     def read(self, prompt: str) -> Optional[str]:
         if not self.interactive:
-            raw = self.stdin.buffer.readline() if hasattr(self.stdin, "buffer") else self.stdin.readline()
+            # limit + 2: room for a line of exactly `limit` bytes and its "\r\n".
+            source = self.stdin.buffer if hasattr(self.stdin, "buffer") else self.stdin
+            raw = source.readline(self.limit + 2)
             if not raw:
                 return None
-            line = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
-            return line.rstrip("\r\n")
+            ends = b"\r\n" if isinstance(raw, bytes) else "\r\n"
+            ended = raw.endswith(ends[1:])
+            if len(raw.rstrip(ends) if ended else raw) > self.limit:  # not ended: cut short at limit + 2
+                raise input_limit_error(MESSAGE_WHAT, self.limit)
+            line = raw.rstrip(ends)
+            return line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
         try:
             if self.stdout.isatty():
-                return input(prompt)
-            self.stderr.write(prompt)
-            self.stderr.flush()
-            return input()
+                line = input(prompt)
+            else:
+                self.stderr.write(prompt)
+                self.stderr.flush()
+                line = input()
         except EOFError:
             self.stderr.write("\n")
             return None
+        if len(line.encode("utf-8", errors="replace")) > self.limit:
+            raise input_limit_error("a chat message", self.limit)
+        return line
 
 
-def read_message(read: Callable[[str], Optional[str]], prompt: str = ">>> ", more: str = "... ") -> Optional[str]:
+def read_message(read: Callable[[str], Optional[str]], prompt: str = ">>> ", more: str = "... ",
+                 limit: Optional[int] = None) -> Optional[str]:
     """One message: a line, or several when each but the last ends with a backslash (joined by
-    newlines, backslashes removed). None at end of input with nothing pending."""
+    newlines, backslashes removed). None at end of input with nothing pending. UsageError when
+    the joined lines pass `limit` bytes (None: no limit)."""
     lines: list[str] = []
+    size = 0
     while True:
         line = read(more if lines else prompt)
         if line is None:
             return "\n".join(lines) if lines else None
+        size += len(line.encode("utf-8", errors="replace")) + 1
+        if limit is not None and size - 1 > limit:
+            raise input_limit_error(MESSAGE_WHAT, limit)
         if line.endswith("\\"):
             lines.append(line[:-1])
             continue
@@ -406,7 +428,7 @@ class ChatSession:
             self.notice("specli chat: /help for commands, /exit or Ctrl-D to leave")
         while True:
             try:
-                text = read_message(reader.read)
+                text = read_message(reader.read, limit=reader.limit)
             except KeyboardInterrupt:
                 self.err.write("\n")
                 return 0

@@ -45,6 +45,9 @@ except KeyboardInterrupt:
 
 # --threads above this many per logical CPU is a typo, not a setting (llama.cpp would start them all).
 MAX_THREADS_PER_CPU = 4
+# --ngl / --draft-ngl: -1 (all layers) or a count up to this. llama.cpp keeps the count in 32 bits
+# (a larger number would wrap around silently); GGUF models have at most 512 layers.
+MAX_NGL = 10_000
 
 app = typer.Typer(
     add_completion=False,
@@ -103,10 +106,18 @@ def _model_choice(
             f"use at most {MAX_THREADS_PER_CPU * cpus}, or leave it out for one per physical core"
         )
     validate_ctx(ctx)
+    check_ngl(ngl, draft_ngl)
     if max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
     sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed).validate()
     return ModelChoice(model, draft, lookup, target_only, parse_n_draft(n_draft), ctx, ngl, draft_ngl, threads, sampling)
+
+
+def check_ngl(ngl: int, draft_ngl: int) -> None:
+    """UsageError unless --ngl and --draft-ngl are -1 (all layers) or 0..MAX_NGL."""
+    for option, value in (("--ngl", ngl), ("--draft-ngl", draft_ngl)):
+        if not -1 <= value <= MAX_NGL:
+            raise UsageError(f"{option} must be -1 (all layers) or a layer count from 0 to {MAX_NGL:,}, got {value}")
 
 
 def parse_n_draft(text: str | None) -> int | str | None:
@@ -275,6 +286,7 @@ def chat(
         model, draft, lookup, target_only, n_draft, max_tokens, ctx, ngl, draft_ngl, threads,
         temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
     )  # fmt: skip
+    reader = LineReader(sys.stdin, sys.stdout, sys.stderr)  # a bad SPECLI_MAX_INPUT_BYTES: before the load
     init_backend(verbose=verbose)
     if template is not None:
         check_template_name(template)  # before the (slow) load
@@ -286,7 +298,7 @@ def chat(
             print(notice, file=sys.stderr)
         options = ChatOptions(max_tokens=max_tokens, system=system, template=template, quiet=quiet, verbose=verbose, show_accept=show_accept)
         session = ChatSession(loaded, formatter, options)
-        return session.loop(LineReader(sys.stdin, sys.stdout, sys.stderr))
+        return session.loop(reader)
     finally:
         loaded.close()
 

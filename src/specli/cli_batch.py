@@ -24,9 +24,12 @@ from .cli import (
     _load, _model_choice, _result_json, app, sampling_json,
 )  # fmt: skip
 from .errors import EXIT_RUNTIME, UsageError
-from .files import ExclusiveLock, LockBusy, write_atomically
+from .files import ExclusiveLock, LockBusy, check_writable, write_atomically
 
 EXIT_SOME_FAILED = EXIT_RUNTIME
+# --parallel at most: llama.cpp's LLAMA_MAX_SEQ (sequence ids 0..255; it keeps the count in 32
+# bits, so a larger number would wrap around silently).
+MAX_PARALLEL = 256
 
 
 @app.command("batch")
@@ -65,13 +68,12 @@ def batch_command(
         model, draft, lookup, target_only, n_draft, max_tokens, ctx, ngl, draft_ngl, threads,
         temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
     )  # fmt: skip
-    if parallel < 1:
-        raise UsageError(f"--parallel must be at least 1, got {parallel}")
+    _check_parallel(parallel, ctx)
     if input_format not in batch.FORMATS:
         raise UsageError(f"--format must be one of {', '.join(batch.FORMATS)}, got {input_format!r}")
     out_path = _check_output(output, input_path, resume=resume, overwrite=overwrite)
-    if summary_path is not None and not summary_path.parent.is_dir():
-        raise UsageError(f"cannot write {summary_path}: folder {summary_path.parent} does not exist")
+    if summary_path is not None:
+        check_writable(summary_path, "the --summary file")
     lock = _lock_output(out_path) if out_path is not None else None
     try:
         return _batch(
@@ -117,6 +119,20 @@ def _batch(input_path, output, out_path, overwrite, summary_path, parallel, inpu
     return EXIT_SOME_FAILED if summary.failed else 0
 
 
+def _check_parallel(parallel: int, ctx: int) -> None:
+    """UsageError unless 1 <= --parallel <= MAX_PARALLEL and the P contexts of -c tokens fit in
+    one llama.cpp context (at most MAX_CTX tokens: the P sequences share one KV cache)."""
+    from .llama import MAX_CTX
+
+    if not 1 <= parallel <= MAX_PARALLEL:
+        raise UsageError(f"--parallel must be from 1 to {MAX_PARALLEL} (llama.cpp's most sequences in one context), got {parallel}")
+    if parallel > 1 and parallel * ctx > MAX_CTX:
+        raise UsageError(
+            f"--parallel {parallel} with -c {ctx} needs a KV cache of {parallel * ctx:,} tokens, over the maximum of "
+            f"{MAX_CTX:,}; use a smaller -c or --parallel"
+        )
+
+
 def _json(obj) -> str:
     import json
 
@@ -140,6 +156,9 @@ def _check_output(output: str, input_path: str, *, resume: bool, overwrite: bool
         raise UsageError(f"cannot write {output}: folder {path.parent} does not exist")
     if input_path != "-" and Path(input_path).exists() and path.exists() and path.resolve() == Path(input_path).resolve():
         raise UsageError("the output file is the input file; write the results to another file (-o)")
+    # The records are appended to the file, and the lock and the in-order rewrite create files
+    # beside it: both must be possible before the models load, not found out after.
+    check_writable(path, "-o", folder_too=True)
     return path
 
 

@@ -21,6 +21,7 @@ from .cli import (
     app, sampling_json,
 )  # fmt: skip
 from .errors import UsageError
+from .files import check_writable
 
 MATPLOTLIB_MISSING = "--plot needs matplotlib, which is not installed; pip install matplotlib"
 
@@ -65,8 +66,9 @@ def bench_command(
         temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
     )  # fmt: skip
     prompts = bench.parse_prompt_file(prompts_file) if prompts_file else list(bench.BUILTIN_PROMPTS)
-    for path in (json_path, csv_path, plot_path):
-        _check_parent(path)
+    for path, option in ((json_path, "--json"), (csv_path, "--csv"), (plot_path, "--plot")):
+        if path is not None:
+            check_writable(path, f"the {option} file")
     if plot_path is not None:
         _require_matplotlib()  # before the (slow) measurement, not after it
     init_backend(verbose=verbose)
@@ -93,12 +95,6 @@ def bench_command(
     if plot_path:
         _plot(plot_path, rows)
     return 0
-
-
-def _check_parent(path: Path | None) -> None:
-    """Fail before measuring when an output file's folder does not exist."""
-    if path is not None and not path.parent.is_dir():
-        raise UsageError(f"cannot write {path}: folder {path.parent} does not exist")
 
 
 def _require_matplotlib() -> None:

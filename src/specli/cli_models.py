@@ -5,6 +5,7 @@ They register on the shared Typer `app`; cli.py imports this module once.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -179,11 +180,65 @@ def _is_connection_error(exc: BaseException) -> bool:
     return bool(names & {"ConnectError", "ConnectTimeout", "TimeoutException", "ReadTimeout", "RemoteProtocolError"})
 
 
+# How long `specli pull` waits for the hub's host name to resolve before leaving it to the
+# client (which then retries as it does for any network error).
+RESOLVE_WAIT_S = 10.0
+
+
+@functools.lru_cache(maxsize=None)
+def _unresolvable_endpoint() -> Optional[tuple[str, str]]:
+    """(host, reason) when the hub's host name does not resolve, i.e. no network or no DNS;
+    None when it resolves, when a proxy resolves it for us, or when the answer takes longer than
+    RESOLVE_WAIT_S. Without this, huggingface_hub retries a failed lookup 5 times over 24 s,
+    printing a line each time, before it gives up."""
+    import socket
+    import threading
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    parts = urlsplit(constants.ENDPOINT)
+    host = parts.hostname
+    if not host:
+        return None
+    proxies = urllib.request.getproxies_environment()  # httpx (the hub's transport) honours the same variables
+    if (proxies.get(parts.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass_environment(host, proxies):
+        return None
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a bad port in HF_ENDPOINT: the client reports it
+        return None
+    found: dict = {}
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as err:
+            found["error"] = err.strerror or str(err)
+        except (OSError, UnicodeError):
+            pass
+
+    thread = threading.Thread(target=resolve, name="specli-resolve", daemon=True)
+    thread.start()
+    thread.join(RESOLVE_WAIT_S)
+    return (host, found["error"]) if "error" in found else None
+
+
 def _pull_hf_file(repo: str, filename: str) -> _Fetched:
     """Download one file into the Hugging Face cache (resumes, skips what is there); raises SpecliError."""
     from huggingface_hub import hf_hub_download
 
     before = _cached_path(repo, filename)
+    if before is None and not _is_offline():
+        unresolved = _unresolvable_endpoint()
+        if unresolved is not None:
+            host, reason = unresolved
+            raise SpecliError(
+                f"no network: the hub's host {host} does not resolve ({reason}), so {repo}/{filename} cannot be "
+                "downloaded and it is not in the cache; check the connection (or HF_ENDPOINT, the proxy), or download "
+                "the file elsewhere and pass it with -m PATH (HF_HUB_OFFLINE=1 uses only what is cached)"
+            )
     try:
         # No token argument: the library reads HF_TOKEN or the `hf auth login` token itself.
         path = hf_hub_download(repo_id=repo, filename=filename)
@@ -349,14 +404,14 @@ def fit_cmd(
 ) -> int:
     """Will the target, the draft and both KV caches fit in this machine's memory? Exit 0 yes, 3 no."""
     from . import fit
+    from .cli import check_ngl
     from .llama import validate_ctx
     from .registry import load_effective_registry
 
     validate_ctx(ctx)
     if kv_type not in fit.KV_TYPES:
         raise UsageError(f"--kv-type must be one of {', '.join(fit.KV_TYPES)}, got {kv_type!r}")
-    if ngl < -1 or draft_ngl < -1:
-        raise UsageError("--ngl and --draft-ngl must be -1 (all layers) or a layer count >= 0")
+    check_ngl(ngl, draft_ngl)
     if not 0 <= overhead_gb <= 1e6:  # also refuses nan and inf
         raise UsageError(f"--overhead-gb must be a number of GB from 0 to 1000000, got {overhead_gb}")
     if not 1 <= n_draft <= 64:

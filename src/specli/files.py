@@ -48,10 +48,15 @@ def read_limited(handle: IO[bytes], what: str) -> bytes:
         chunks.append(chunk)
         size += len(chunk)
         if size > limit:
-            raise UsageError(
-                f"{what} is larger than the input limit of {_describe_size(limit)}; "
-                f"raise it with {MAX_INPUT_ENV}=BYTES (e.g. {MAX_INPUT_ENV}={limit * 4}) if this is really your input"
-            )
+            raise input_limit_error(what, limit)
+
+
+def input_limit_error(what: str, limit: int) -> UsageError:
+    """The error for input past max_input_bytes(): names `what`, the limit and how to raise it."""
+    return UsageError(
+        f"{what} is larger than the input limit of {_describe_size(limit)}; "
+        f"raise it with {MAX_INPUT_ENV}=BYTES (e.g. {MAX_INPUT_ENV}={limit * 4}) if this is really your input"
+    )
 
 
 def strip_bom(data: bytes) -> bytes:
@@ -87,6 +92,36 @@ def write_atomically(path: str | os.PathLike, lines: Iterable[str], *, mode: int
             os.unlink(tmp)
         raise
     return path
+
+
+def check_writable(path: str | os.PathLike, what: str, *, folder_too: bool = False) -> None:
+    """UsageError (one line, naming `what`, the path and the reason) unless `path` can be written,
+    found out before a run spends its time: an existing regular file is opened for writing
+    (nothing is written, nothing truncated, the mtime stays); a missing one, or with `folder_too`
+    (outputs replaced through a temporary file or locked beside it) any, is tried by creating and
+    removing a temporary file in its folder. A symlink is followed; devices, FIFOs and sockets
+    are left to the write itself (/dev/null is a fine place for a summary)."""
+    real = Path(os.path.realpath(path))
+    if real.is_dir():
+        raise UsageError(f"cannot write {what} {path}: it is a directory; give a file name")
+    if not real.parent.is_dir():
+        raise UsageError(f"cannot write {what} {path}: folder {real.parent} does not exist")
+    exists = os.path.lexists(real)
+    if exists and real.is_file():
+        try:
+            os.close(os.open(real, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NONBLOCK", 0)))
+        except OSError as err:
+            raise UsageError(f"cannot write {what} {path}: {err.strerror} (check its permissions, or pick another file)") from None
+    if not exists or folder_too:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".specli-write-check-", dir=real.parent)
+        except OSError as err:
+            raise UsageError(
+                f"cannot write {what} {path}: nothing can be created in folder {real.parent} ({err.strerror}); "
+                "pick a writable folder"
+            ) from None
+        os.close(fd)
+        os.unlink(probe)
 
 
 def _mode_of(path: Path) -> int:
