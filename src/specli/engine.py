@@ -37,7 +37,7 @@ STOP_INTERRUPTED = "interrupted"
 
 MAX_DRAFT = 64  # draft lengths beyond this only waste target work
 AUTO = "auto"
-AUTO_MAX_DRAFT = 32  # the longest draft `-n auto` considers
+AUTO_MAX_DRAFT = 64  # the longest draft `-n auto` considers (text copied verbatim pays up to native's 48-64)
 
 
 def parse_draft_length(text: str) -> int | str:
