@@ -3,7 +3,8 @@
 
 Per round, with one policy cache folder for the whole round (greedy, the embedded Gemma,
 prompt lookup, the same prompt every time):
-  fresh    a run with an empty cache folder (its own, thrown away): the yardstick;
+  fresh    a run with an empty cache folder (its own, thrown away; with --shared-fresh the
+           round's, so the busy run finds what a quiet run saved): the yardstick;
   busy     a run while busy-loop processes occupy every core (their number: --busy, default
            the CPU count), which writes what it measured into the round's cache;
   quiet 1-3  three runs on the quiet machine with that cache;
@@ -54,7 +55,10 @@ def busy_loops(n: int) -> list[subprocess.Popen]:
 def one_round(label: str, pythonpath: str, prompt: str, args) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as scratch:
-        results["fresh"] = specli_run(pythonpath, os.path.join(scratch, "a"), prompt, args.max_tokens)
+        # --shared-fresh: the fresh run writes the round's cache (what the busy run then finds),
+        # as for a user whose cache was made on a quiet day; otherwise the busy run is the first.
+        first_cache = cache if args.shared_fresh else os.path.join(scratch, "a")
+        results["fresh"] = specli_run(pythonpath, first_cache, prompt, args.max_tokens)
         loops = busy_loops(args.busy)
         try:
             time.sleep(0.5)
@@ -80,6 +84,7 @@ def main() -> None:
     parser.add_argument("--prompt", choices=sorted(PROMPTS), action="append")
     parser.add_argument("--version", action="append", metavar="LABEL=PYTHONPATH",
                         help="a specli source tree to run (default: this checkout's src)")  # fmt: skip
+    parser.add_argument("--shared-fresh", action="store_true", help="the fresh run starts the round's cache")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     here = str(Path(__file__).resolve().parent.parent / "src")

@@ -103,9 +103,9 @@ def test_saved_costs_that_disagree_with_the_run_are_dropped_within_a_few_passes(
 
 def test_a_run_that_starts_from_saved_costs_drafts_at_once():
     saved = through_a_file(run(None, quiet, 1.0)[0])
-    _, lengths, _ = run(saved, quiet, 1.0, steps=10)
+    _, lengths, _ = run(saved, quiet, 1.0, steps=10, match=LONG_MATCH)
     assert lengths[0] > 0  # no plain steps to measure plain decoding first
-    _, fresh_lengths, _ = run(None, quiet, 1.0, steps=10)
+    _, fresh_lengths, _ = run(None, quiet, 1.0, steps=10, match=LONG_MATCH)
     assert fresh_lengths[:2] == [0, 0]
 
 
@@ -239,3 +239,22 @@ def test_nothing_invalid_is_ever_written():
 
 def test_seed_checks_need_only_a_few_passes():
     assert 2 <= SEED_CHECKS <= 5
+
+
+def test_only_a_draft_models_acceptance_seeds_the_next_run():
+    # Lookup's acceptance is the text's: shown by `specli cache`, not carried into a run. A draft
+    # model's is partly the pair's: it comes back as a weak prior.
+    policy = AdaptivePolicy(32)
+    for _ in range(3):
+        policy.observe(None, 0, 0, None, 0.0, 1, 0.01)
+    for _ in range(50):
+        for source, token_s in (("lookup", None), ("draft-model", 0.001)):
+            policy.limit(source, 32)
+            policy.observe(source, 4, 0, None, 0.004, 5, 0.03, token_s, token_s)
+    saved = policy_store.parse(policy_store.dumps(policy.saved(NOW)), now=NOW)
+    assert saved.sources["lookup"].acceptance and not saved.sources["lookup"].runs_model
+    assert saved.sources["draft-model"].runs_model
+    fresh = AdaptivePolicy(32)
+    fresh.seed(saved)
+    assert fresh.source("lookup").acceptance.rates(1)[0] == pytest.approx(0.7)  # the prior
+    assert fresh.source("draft-model").acceptance.rates(1)[0] < 0.5

@@ -583,7 +583,9 @@ class AdaptivePolicy(DraftJudge):
             st = self.source(name)
             st.t_draft = None if record.t_draft is None else record.t_draft.seconds
             st.start_s = None if record.start_s is None else record.start_s.seconds
-            for i, (judged, accepted) in enumerate(record.acceptance[: self.max_draft]):
+            # Lookup's acceptance is the text's alone: a warm run that started from the last
+            # text's record drafted less on copy-friendly text than a fresh one (0.95x).
+            for i, (judged, accepted) in enumerate(record.acceptance[: self.max_draft] if record.runs_model else ()):
                 st.acceptance.judged[i], st.acceptance.accepted[i] = judged, accepted
             for i, (judged, accepted) in enumerate(record.calibration[: ConfidenceCalibration.BINS]):
                 st.calibration.judged[i], st.calibration.accepted[i] = judged, accepted
@@ -631,6 +633,7 @@ class AdaptivePolicy(DraftJudge):
         for name, st in self._sources.items():
             before = seed.sources.get(name) if seed is not None else None
             record = SourceRecord(
+                runs_model=st.runs_model or bool(before and before.runs_model),
                 t_draft=_median_cost(st.t_draft_samples, now, before.t_draft if before else None),
                 start_s=_median_cost(st.start_samples, now, before.start_s if before else None),
                 acceptance=_capped(st.acceptance.judged, st.acceptance.accepted, SAVED_ACCEPT_WEIGHT),

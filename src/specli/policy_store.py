@@ -3,9 +3,10 @@
 Only facts about the machine and the model pair are kept: what a target pass over n tokens
 costs (the median of the run's recent uncontended passes, with how many and when), what the
 context adds to a pass, the loop's time between passes, a drafter's cost per token, and the
-CPU use of an uncontended pass (to recognise contention). Acceptance belongs to the text: it
-is kept only as a weak prior (a couple of verdicts per draft position), which the next run's
-first evidence overrides. Nothing about probing is kept.
+CPU use of an uncontended pass (to recognise contention). Acceptance belongs to the text: a
+draft model's (partly the pair's) seeds the next run only as a weak prior (a couple of verdicts
+per draft position), which its first evidence overrides; prompt lookup's is kept for
+`specli cache` to show, and the next run starts from the prior. Nothing about probing is kept.
 
 A file is checked whole before anything in it is used: its size, JSON of bounded depth, every
 field's type and range (finite, positive, within physical bounds), timestamps not in the future,
@@ -60,6 +61,7 @@ class SourceRecord:
 
     t_draft: Cost | None = None
     start_s: Cost | None = None
+    runs_model: bool = False  # a draft model (its acceptance is partly the pair's), not lookup
     acceptance: list[tuple[float, float]] = field(default_factory=list)
     calibration: list[tuple[float, float]] = field(default_factory=list)
     first_seen: list[float] = field(default_factory=list)
@@ -106,6 +108,7 @@ def to_json(saved: Saved) -> dict:
             name: {
                 "t_draft": _cost_json(s.t_draft),
                 "start_s": _cost_json(s.start_s),
+                "runs_model": s.runs_model,
                 "acceptance": [list(p) for p in s.acceptance],
                 "calibration": [list(p) for p in s.calibration],
                 "first_seen": list(s.first_seen),
@@ -166,6 +169,12 @@ def _optional(value, what: str, low: float, high: float) -> float | None:
 def _dict(value, what: str) -> dict:
     if not isinstance(value, dict):
         raise Rejected(f"{what} is {type(value).__name__}, not an object")
+    return value
+
+
+def _flag(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise Rejected(f"{what} is {type(value).__name__}, not true or false")
     return value
 
 
@@ -262,6 +271,7 @@ def parse(text: str, now: float | None = None) -> Saved:
         saved.sources[name] = SourceRecord(
             t_draft=_cost(value.get("t_draft"), f"sources.{name}.t_draft", now, 0.0, MAX_PASS_S),
             start_s=_cost(value.get("start_s"), f"sources.{name}.start_s", now, 0.0, MAX_PASS_S),
+            runs_model=_flag(value.get("runs_model", False), f"sources.{name}.runs_model"),
             acceptance=_pairs(value.get("acceptance", []), f"sources.{name}.acceptance", MAX_POSITIONS, SAVED_ACCEPT_WEIGHT),
             calibration=_pairs(value.get("calibration", []), f"sources.{name}.calibration", 16, SAVED_CALIBRATION_WEIGHT),
             first_seen=[
