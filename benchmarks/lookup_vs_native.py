@@ -56,13 +56,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench_lookup import (  # the native log parsing, shared with the ngram-simple benchmark
+    DEFAULT_NATIVE_DIR, NATIVE_BIN_SUBDIR, NO_DRAFT_KEY, TS, BenchError, Run, cut_at_max_tokens, log_time, search,
+)  # fmt: skip
+
 HERE = Path(__file__).resolve().parent
 PROMPT_DIR = HERE / "prompts"
-DEFAULT_NATIVE_DIR = Path("/tmp/specli-native")
-NATIVE_BIN_SUBDIR = Path("src/vendor/llama.cpp/build/bin")
 NATIVE_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")
-# A key longer than any context we use: ngram-simple then never finds a match, never drafts.
-NO_DRAFT_KEY = 1024
 
 
 def load_prompts(folder: Path) -> dict[str, str]:
@@ -78,27 +78,6 @@ def kind_of(prompt_name: str) -> str:
 # One measured run.
 
 
-@dataclass
-class Run:
-    """The numbers one process reported (None where that tool does not report it)."""
-
-    config: str
-    prompt: str
-    round: int
-    cmd: list[str]
-    tokens_per_s: float | None = None
-    n_tokens: int | None = None
-    drafted: int | None = None
-    accepted: int | None = None
-    acceptance: float | None = None
-    text: str | None = None  # generated text, to check both sides produce the same output
-    extra: dict = field(default_factory=dict)
-
-
-class BenchError(RuntimeError):
-    """A tool failed or printed something we could not parse."""
-
-
 def run_process(cmd: list[str], env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `cmd`, capturing output; raise BenchError with its stderr tail on failure."""
     proc = subprocess.run(
@@ -108,14 +87,6 @@ def run_process(cmd: list[str], env: dict | None = None, timeout: float = 600) -
         tail = (proc.stderr or proc.stdout)[-2000:]
         raise BenchError(f"command failed (exit {proc.returncode}): {shlex.join(cmd)}\n{tail}")
     return proc
-
-
-def search(pattern: str, text: str, what: str) -> re.Match:
-    """re.search that fails loudly: a silent None would turn into a wrong table."""
-    m = re.search(pattern, text, re.MULTILINE)
-    if m is None:
-        raise BenchError(f"could not find {what} in the output (pattern {pattern!r}):\n{text[-2000:]}")
-    return m
 
 
 # --------------------------------------------------------------------------------------
@@ -196,36 +167,6 @@ def spec_simple_cmd(bin_: Path, prompt_file: Path, args: argparse.Namespace, spe
         str(bin_), "-m", str(args.model), *spec, "-f", str(prompt_file), "-n", str(args.max_tokens + 1),
         "--temp", "0", "-t", str(args.threads), "-c", str(args.ctx), "-lv", "5",
     ]  # fmt: skip
-
-
-# llama.cpp log lines start with a "minutes.seconds.millis.micros" timestamp (common/log.cpp).
-TS = r"^(\d+)\.(\d+)\.(\d+)\.(\d+) "
-
-
-def log_time(m: re.Match) -> float:
-    minutes, seconds, millis, micros = (int(g) for g in m.groups()[:4])
-    return minutes * 60 + seconds + millis / 1e3 + micros / 1e6
-
-
-def cut_at_max_tokens(err: str, max_tokens: int) -> dict:
-    """Tokens, time, drafted and accepted up to the first target pass that reaches max_tokens.
-
-    Each pass logs "accepted A/D draft tokens" after emitting A + 1 tokens. The generation
-    clock starts at (time of the "decoded" line) - (its seconds), as in the example itself.
-    """
-    dec = search(TS + r"I decoded\s+(\d+) tokens in\s+([\d.]+) seconds", err, "'decoded' line")
-    t_start = log_time(dec) - float(dec.group(6))
-    tokens = drafted = accepted = passes = 0
-    t_cut = log_time(dec)
-    for m in re.finditer(TS + r"D accepted (\d+)/(\d+) draft tokens", err, re.MULTILINE):
-        a, d = int(m.group(5)), int(m.group(6))
-        tokens, drafted, accepted, passes = tokens + a + 1, drafted + d, accepted + a, passes + 1
-        t_cut = log_time(m)
-        if tokens >= max_tokens:
-            break
-    if passes == 0:
-        raise BenchError(f"no per-pass 'accepted' debug lines (is -lv 5 honoured?):\n{err[-2000:]}")
-    return {"tokens": tokens, "seconds": t_cut - t_start, "drafted": drafted, "accepted": accepted, "passes": passes}
 
 
 def native_generated_text(stdout: str, prompt: str) -> str | None:
