@@ -10,7 +10,7 @@ import pytest
 from specli import policy as policy_module
 from specli.policy import (
     PLAIN_CHECK_STEPS, PROBE_BUDGET, PROBE_CREDIT, AdaptivePolicy, ConfidenceCalibration, ContextSlope, PassCost,
-    PositionalAcceptance, best_length, expected_tokens, running_time,
+    REACH_COST, PositionalAcceptance, best_length, expected_tokens, running_time,
 )  # fmt: skip
 
 FLAT = lambda n: 1.0  # noqa: E731  a GPU-like target: a pass costs the same for 1 or 33 tokens
@@ -513,3 +513,19 @@ def test_draft_timings_after_plain_steps_only_ever_lower_the_drafting_cost():
     policy.observe(None, 0, 0, None, 0.0, 1, 1.0)
     policy.observe("sim", 3, 3, None, 1.5, 4, 1.5, 0.5, 0.6)
     assert state.t_draft == before
+
+
+def test_after_a_draft_refused_early_the_next_reaches_only_twice_as_far_where_wide_passes_cost():
+    # CPU-like costs: a 33-token pass costs 11 one-token ones. Drafts always accepted until one
+    # is refused at its 3rd token: the next reaches 8 (twice the run it had, at least 8), or as
+    # far as costs at most REACH_COST times that pass, then grows again as drafts are taken. On
+    # flat (GPU-like) costs reaching further is free.
+    for cost, limited in ((cpu_cost, True), (FLAT, False)):
+        policy = AdaptivePolicy(32)
+        simulate(policy, lambda step: 1.0, 40, cost=cost)
+        assert policy.limit("sim", 32) == 32
+        policy.observe("sim", 32, 2, None, 0.0, 33, cost(33))
+        k = policy.limit("sim", 32)
+        assert (cost(k + 1) <= REACH_COST * cost(9)) if limited else (k > 12), (cost, k)
+        policy.observe("sim", k, k, None, 0.0, k + 1, cost(k + 1))
+        assert policy.limit("sim", 32) >= min(2 * k, 32) or not limited

@@ -93,6 +93,11 @@ CONTENDED = 0.8  # a pass using less CPU per second than this share of the usual
 SAMPLES_KEPT = 31  # recent uncontended timings per pass size, whose median is saved
 MIN_SAMPLES_SAVED = 1  # timings a pass size needs before its median is saved (the next run checks it)
 LONG_MATCH_ACCEPT = 0.9  # the prior acceptance of drafts copied after a long match
+REACH_START = 16  # a source's drafts reach at most this far at first, then twice its latest
+REACH_MIN = 8  # accepted run (at least this) ...
+REACH_COST = 1.25  # ... unless going further costs at most this times the pass at that reach
+# (on a CPU a 64-token pass refused early costs a dozen plain ones, and deep positions are
+# estimated from shallow ones; on a GPU wide passes cost nearly nothing more, so no limit)
 PROBE_FADE = 0.1  # evidence kept when a probe's verdict is news
 PROBE_SURPRISE = 0.25  # a fully accepted probe is news only if the record gave it less than this
 PLAIN_CHECK_EVERY_MIN = 128  # drafting steps before plain decoding is timed again
@@ -472,6 +477,7 @@ class SourceState:
     runs_model: bool = False  # it times its drafts (a draft model, whose passes evict the target's weights)
     # This run's own timings of t_draft and start_s, from steps whose pass was not contended:
     # their medians are what is saved.
+    reach: int = REACH_START  # see REACH_START
     t_draft_samples: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
     start_samples: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
 
@@ -698,6 +704,9 @@ class AdaptivePolicy(DraftJudge):
         n_max = min(n_max, self.max_draft)
         state.judged_at = context_len
         self._costs = self.pass_cost.table(n_max + 1, context_len)
+        if n_max > state.reach:
+            within = REACH_COST * self._costs[state.reach + 1]
+            n_max = max(n for n in range(state.reach, n_max + 1) if self._costs[n + 1] <= within)
         self._rates = state.acceptance.rates(n_max)
         self._t_draft_now = self._t_draft(state)
         plain = self._plain_at(context_len)
@@ -884,6 +893,10 @@ class AdaptivePolicy(DraftJudge):
             # This draft beat plain decoding: when drafting stops paying, probe again soon.
             self._credit = None
         state.acceptance.observe(n_drafted, n_accepted)
+        if n_accepted == n_drafted:
+            state.reach = max(state.reach, 2 * n_drafted)
+        else:
+            state.reach = max(2 * (n_accepted + 1), REACH_MIN)
         if confidences:
             state.calibration.observe(confidences, n_accepted)
         if confidences is not None and token_s is None and state.t_draft is not None:
