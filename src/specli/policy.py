@@ -568,6 +568,7 @@ class AdaptivePolicy(DraftJudge):
         self._seed_status: str | None = None
         self._seed_ratios: dict[str, list[float]] = {"one": [], "wide": []}
         self._own_passes: list[tuple[int, float, bool, int, float | None, bool]] = []
+        self._sizes_seen: set[int] = set()  # pass sizes this run has made
         self._steps = 0
 
     def seed(self, saved: Saved) -> None:
@@ -923,7 +924,11 @@ class AdaptivePolicy(DraftJudge):
         """Compare the run's own passes with what the saved costs predict: the median of the
         first SEED_CHECKS ratios of each kind outside 1/SEED_TRUST .. SEED_TRUST drops them."""
         self._own_passes.append((n_tokens, seconds, cold, context_len, utilization, steady_plain))
-        if not cold and not contended:
+        # The first pass of a size in a process is slow (llama.cpp sizes its buffers for it: a
+        # 65-token pass took 228-241 ms the first time, 189-202 after): not a fair check.
+        first_of_its_size = n_tokens not in self._sizes_seen
+        self._sizes_seen.add(n_tokens)
+        if not cold and not contended and not first_of_its_size:
             ratios = self._seed_ratios["one" if n_tokens == 1 else "wide"]
             if len(ratios) < SEED_CHECKS:
                 ratios.append(seconds / max(self._seed_model.table(n_tokens, context_len)[n_tokens], 1e-12))
