@@ -250,3 +250,14 @@ def test_a_rewritten_output_stays_a_link_and_keeps_its_mode(tmp_path):
     write_atomically(link, ["new"])
     assert link.is_symlink() and real.read_text() == "new\n"
     assert real.stat().st_mode & 0o777 == 0o644
+
+
+def test_an_atomic_write_to_a_device_writes_through_it(tmp_path):
+    # A temporary file renamed over /dev/null would replace the device node (as root).
+    import os
+    import stat
+
+    from specli.files import write_atomically
+
+    write_atomically("/dev/null", ["nothing"])
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .engine import AUTO, MAX_DRAFT, parse_draft_length
 from .errors import UsageError
-from .files import read_limited, strip_bom
+from .files import read_limited, replace_text, strip_bom
 
 DEFAULT_NS = (AUTO, 1, 2, 3, 5, 8, 12)
 TARGET_ONLY = 0  # the configuration "N = 0": no drafting
@@ -493,6 +493,6 @@ def write_csv(path: Path, records: list[dict]) -> None:
 
 def _write(path: Path, text: str) -> None:
     try:
-        Path(path).write_text(text, encoding="utf-8")
+        replace_text(path, text)  # (a kill or a full disk keeps the earlier file whole)
     except OSError as err:
         raise UsageError(f"cannot write {path}: {err.strerror}") from None

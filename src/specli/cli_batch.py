@@ -24,7 +24,7 @@ from .cli import (
     _load, _model_choice, _result_json, app, sampling_json,
 )  # fmt: skip
 from .errors import EXIT_RUNTIME, UsageError
-from .files import ExclusiveLock, LockBusy, check_writable, write_atomically
+from .files import ExclusiveLock, LockBusy, check_writable, replace_text, write_atomically
 
 EXIT_SOME_FAILED = EXIT_RUNTIME
 # --parallel at most: llama.cpp's LLAMA_MAX_SEQ (sequence ids 0..255; it keeps the count in 32
@@ -113,7 +113,7 @@ def _batch(input_path, output, out_path, overwrite, summary_path, parallel, inpu
     if summary_path is not None:
         settings = {"target": str(the_plan.target_path), "draft": the_plan.draft_label, "n_draft": the_plan.n_draft if with_drafting else 0,
                     "parallel": parallel, "input": input_path, "output": output}  # fmt: skip
-        summary_path.write_text(_json({**summary.to_dict(), **settings}) + "\n", encoding="utf-8")
+        replace_text(summary_path, _json({**summary.to_dict(), **settings}))
     if summary.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_SOME_FAILED if summary.failed else 0

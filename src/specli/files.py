@@ -73,8 +73,15 @@ def _describe_size(n_bytes: int) -> str:
 def write_atomically(path: str | os.PathLike, lines: Iterable[str], *, mode: int | None = None) -> Path:
     """Replace `path` with `lines` so that a crash leaves either the old file or the new one.
     A symlink stays a link (its target is replaced); the file keeps its permission bits, a new
-    one gets the umask's (`mode` overrides). Returns the path really written."""
+    one gets the umask's (`mode` overrides). A device or FIFO (/dev/null, /dev/stdout) is
+    written in place: a temporary file renamed over it would replace the device node itself.
+    Returns the path really written."""
     path = Path(os.path.realpath(path))
+    if os.path.exists(path) and not path.is_file():
+        with path.open("w", encoding="utf-8") as handle:
+            for line in lines:
+                handle.write(line + "\n")
+        return path
     if mode is None:
         mode = _mode_of(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

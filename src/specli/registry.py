@@ -653,7 +653,7 @@ def _verified(target: Path, size: int, expected: str) -> bool:
         return False
     stamp = _stamp_path(target)
     try:
-        if stamp.read_text() == f"{stat.st_size} {stat.st_mtime_ns}":
+        if stamp.read_text().strip() == f"{stat.st_size} {stat.st_mtime_ns}":
             return True
     except OSError:
         pass
@@ -669,7 +669,9 @@ def _verified(target: Path, size: int, expected: str) -> bool:
 def _write_stamp(target: Path) -> None:
     try:
         stat = target.stat()
-        _stamp_path(target).write_text(f"{stat.st_size} {stat.st_mtime_ns}")
+        from .files import replace_text
+
+        replace_text(_stamp_path(target), f"{stat.st_size} {stat.st_mtime_ns}")
     except OSError:
         pass  # read-only cache: the hash is simply checked on each run
 
