@@ -101,13 +101,12 @@ def policy_key(p: Plan, choice: ModelChoice) -> dict:
     }  # fmt: skip
 
 
-def policy_state_path(p: Plan, choice: ModelChoice) -> Path:
+def policy_state_path(key: dict) -> Path:
     """Where `-n auto` keeps what it measured for this pair on this machine: one file per
-    target, drafter and thread/offload setting, in cache_dir()."""
-    files = [p.target_path, *([p.draft_path] if p.draft_path else [])]
-    facts = [[str(f.resolve()), f.stat().st_size] for f in files]
-    key = json.dumps([policy_store.VERSION, p.mode, facts, choice.threads, choice.ngl, choice.draft_ngl])
-    return cache_dir() / f"policy-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+    policy_key (target, drafter and thread/offload setting) and file format, in cache_dir()."""
+    facts = {name: value for name, value in key.items() if name != "specli"}  # (a new specli keeps them)
+    digest = hashlib.sha1(json.dumps([policy_store.VERSION, facts], sort_keys=True).encode()).hexdigest()
+    return cache_dir() / f"policy-{digest[:16]}.json"
 
 
 def read_policy_file(path: Path) -> policy_store.Saved | None:
@@ -202,7 +201,8 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
         decoder = SpeculativeDecoder(model_tgt, drafter, p.n_draft, p.sampling)
         loaded = Loaded(p, model_tgt, model_dft, decoder)
         if decoder.adaptive:
-            loaded.policy_path, loaded.policy_key = policy_state_path(p, choice), policy_key(p, choice)
+            loaded.policy_key = policy_key(p, choice)
+            loaded.policy_path = policy_state_path(loaded.policy_key)
             try:
                 saved = read_policy_file(loaded.policy_path)
             except policy_store.Rejected as err:
