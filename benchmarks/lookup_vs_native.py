@@ -45,7 +45,6 @@ import json
 import math
 import os
 import platform
-import re
 import shlex
 import shutil
 import statistics
@@ -53,11 +52,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench_lookup import (  # the native log parsing, shared with the ngram-simple benchmark
-    DEFAULT_NATIVE_DIR, NATIVE_BIN_SUBDIR, NO_DRAFT_KEY, TS, BenchError, Run, cut_at_max_tokens, log_time, search,
+    DEFAULT_NATIVE_DIR, NATIVE_BIN_SUBDIR, NO_DRAFT_KEY, BenchError, Run, cut_at_max_tokens,
 )  # fmt: skip
 
 HERE = Path(__file__).resolve().parent
