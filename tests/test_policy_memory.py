@@ -127,6 +127,34 @@ def test_a_long_match_is_judged_on_its_own_record():
     assert policy.limit("lookup", 32, 500, match=LONG_MATCH) >= 8
 
 
+def test_a_warm_run_drafts_on_short_matches_until_a_draft_is_refused():
+    # Saved costs price a wide pass near its tokens' worth of plain passes: judged on them alone
+    # the prior acceptance never pays on a short match, where a fresh run (optimistic costs)
+    # drafts and, on text that copies, wins. A warm run prices drafts as a fresh run would until
+    # its first refusal, and only then on what it knows.
+    saved = through_a_file(run(None, quiet, 0.0, steps=200)[0])
+    _, copying, _ = run(saved, quiet, 1.0, steps=40, match=3)
+    assert copying[0] > 0 and sum(copying) >= 40, copying
+    _, failing, _ = run(saved, quiet, 0.0, steps=200, match=3)
+    drafted = [k for k in failing if k]
+    assert drafted and sum(drafted[1:]) <= 2 * 2 * 5, failing  # after the first refusal: probes only, a few
+
+
+def test_the_length_of_a_lookup_match_is_evidence_the_copy_goes_on():
+    # A text that has copied 60 tokens in a row, with no verdict of this run yet: drafts go
+    # further than at a match of LONG_MATCH tokens (rule of succession), and far further than
+    # on the record's prior alone.
+    saved = through_a_file(run(None, quiet, 1.0, steps=200)[0])
+    lengths = {}
+    for match in (0, LONG_MATCH, 60):
+        policy = AdaptivePolicy(64)
+        policy.seed(saved)
+        policy.source("lookup").acceptance.refused = True  # judged on costs as they are
+        policy.source("lookup:long").acceptance.refused = True
+        lengths[match] = policy.limit("lookup", 64, 100, match=match)
+    assert lengths[0] < lengths[LONG_MATCH] < lengths[60], lengths
+
+
 def test_contended_passes_are_used_by_the_run_but_never_saved():
     policy = AdaptivePolicy(32)
     for i in range(40):

@@ -367,8 +367,10 @@ class PositionalAcceptance:
         self.judged = [0.0] * max_positions
         self.accepted = [0.0] * max_positions
         self.prior = prior
+        self.refused = False  # whether a draft has been refused since this record was made
 
     def observe(self, n_drafted: int, n_accepted: int) -> None:
+        self.refused = self.refused or n_accepted < n_drafted
         # Positions 0 .. n_accepted were judged (the last of them rejected unless all passed);
         # later drafts were never looked at.
         n_judged = min(n_accepted + 1, n_drafted, len(self.judged))
@@ -381,9 +383,14 @@ class PositionalAcceptance:
         self.judged = [j * keep for j in self.judged]
         self.accepted = [a * keep for a in self.accepted]
 
-    def rates(self, n: int) -> list[float]:
+    def rates(self, n: int, copied: int = 0) -> list[float]:
+        """a_0 .. a_{n-1}. `copied`: tokens the text has just copied in a row (a lookup match);
+        by the rule of succession the next one follows with (copied + 1) / (copied + 2), and a
+        position with little evidence leans on that where it is higher than its neighbour."""
         out, previous = [], self.prior
         for i in range(min(n, len(self.judged))):
+            if copied:
+                previous = max(previous, (copied + i + 1) / (copied + i + 2))
             previous = (self.accepted[i] + PRIOR_WEIGHT * previous) / (self.judged[i] + PRIOR_WEIGHT)
             out.append(previous)
         return out
@@ -708,7 +715,7 @@ class AdaptivePolicy(DraftJudge):
         if n_max > state.reach:
             within = REACH_COST * self._costs[state.reach + 1]
             n_max = max(n for n in range(state.reach, n_max + 1) if self._costs[n + 1] <= within)
-        self._rates = state.acceptance.rates(n_max)
+        self._rates = state.acceptance.rates(n_max, match if match >= LONG_MATCH else 0)
         self._t_draft_now = self._t_draft(state)
         plain = self._plain_at(context_len)
         gated = None
@@ -719,6 +726,13 @@ class AdaptivePolicy(DraftJudge):
             k = n_max if gated > 1 / plain or state.drafting_steps < WARM_UP_DRAFTS else 0
         else:
             k = best_length(self._rates, self._t_draft_now, self._costs.__getitem__, plain, self._start_cost(state))
+            if not state.acceptance.refused and not state.runs_model:
+                # Until this run sees a draft refused, price wide passes as a fresh run does:
+                # a warm run that knew their cost decoded plain where a fresh one drafted, and
+                # on text that copies it ran at 0.78x the fresh speed (BENCHMARKS.md).
+                t1 = self._costs[1]
+                fresh = [0.0] + [t1 * (1 + PRIOR_SLOPE * (n - 1)) for n in range(1, n_max + 2)]
+                k = max(k, best_length(self._rates, self._t_draft_now, fresh.__getitem__, plain, self._start_cost(state)))
         if k > 0:
             state.plain_streak = 0  # (the probe interval shrinks back when a draft pays: observe)
             if self._since_plain >= self._plain_check_every and self._plan_rate(gated, k, state) * plain < PLAIN_CHECK_MARGIN:
