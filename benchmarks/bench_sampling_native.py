@@ -26,7 +26,7 @@ from bench_lookup import (
     run_process, run_spec_simple, write_prompt_files,
 )  # fmt: skip
 
-from specli.llama import convert
+from specli.llama.model import convert
 
 
 def specli_run(args, target: Path, draft: Path | None, prompt: str, seed: int) -> dict:

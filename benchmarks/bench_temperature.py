@@ -16,15 +16,17 @@ Usage: python benchmarks/bench_temperature.py [--max-tokens 128] [--repeat 3] [-
 from __future__ import annotations
 
 import argparse
+import sys
 import statistics
 import tempfile
 from pathlib import Path
 
-from specli import synthetic
-from specli.drafters import DraftModelDrafter, PromptLookupDrafter
-from specli.engine import SpeculativeDecoder
-from specli.llama import LlamaModel, init_backend
-from specli.sampling import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures package
+from fixtures import synthetic  # noqa: E402
+from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
+from specli.decoding.engine import SpeculativeDecoder
+from specli.llama.model import LlamaModel, init_backend
+from specli.decoding.sampling import SamplingParams
 
 TEMPERATURES = [0.0, 0.4, 0.8, 1.2]
 from bench_lookup import CODE_PROMPT  # the code-edit prompt of the lookup benchmark

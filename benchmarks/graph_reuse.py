@@ -21,11 +21,11 @@ import os
 import statistics
 from pathlib import Path
 
-from specli.bench import BUILTIN_PROMPTS, token_budget
-from specli.drafters import DraftModelDrafter
-from specli.engine import AUTO, SpeculativeDecoder
-from specli.llama import LlamaModel, init_backend
-from specli.sampling import GREEDY
+from specli.session.bench import BUILTIN_PROMPTS, token_budget
+from specli.decoding.drafters import DraftModelDrafter
+from specli.decoding.engine import AUTO, SpeculativeDecoder
+from specli.llama.model import LlamaModel, init_backend
+from specli.decoding.sampling import GREEDY
 
 WORLDS = ("reuse", "no reuse")
 

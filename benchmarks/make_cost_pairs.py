@@ -18,12 +18,14 @@ Then e.g.: specli bench -m TARGET -d DRAFT --n 1,2,3,5,8
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from specli import synthetic
-from specli.llama import LlamaModel, init_backend
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures package
+from fixtures import synthetic  # noqa: E402
+from specli.llama.model import LlamaModel, init_backend
 
 # make_cost_pair's agreement knob is teacher-forced on random tokens; along a greedy path the
 # agreement differs, and the calibration is a bisection, so greedy agreement moves in steps as

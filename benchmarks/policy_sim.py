@@ -35,13 +35,13 @@ from typing import Sequence
 
 from bench_lookup import default_model
 
-import specli.drafters as drafters_module
-import specli.engine as engine_module
-from specli.bench import BUILTIN_PROMPTS, token_budget
-from specli.drafters import DraftModelDrafter, PromptLookupDrafter
-from specli.engine import AUTO, SpeculativeDecoder
-from specli.llama import LlamaModel, init_backend
-from specli.sampling import GREEDY, SamplingParams
+import specli.decoding.drafters as drafters_module
+import specli.decoding.engine as engine_module
+from specli.session.bench import BUILTIN_PROMPTS, token_budget
+from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
+from specli.decoding.engine import AUTO, SpeculativeDecoder
+from specli.llama.model import LlamaModel, init_backend
+from specli.decoding.sampling import GREEDY, SamplingParams
 
 LONGEST = 70  # pass sizes measured; longer passes are charged proportionally
 

@@ -18,9 +18,9 @@ import sys
 
 from bench_lookup import PROMPTS, default_model
 
-from specli.drafters import DraftModelDrafter, PromptLookupDrafter
-from specli.engine import SpeculativeDecoder
-from specli.llama import LlamaModel, init_backend
+from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
+from specli.decoding.engine import SpeculativeDecoder
+from specli.llama.model import LlamaModel, init_backend
 
 
 def profile(decoder: SpeculativeDecoder, prompt_ids: list[int], max_tokens: int, top: int) -> None:

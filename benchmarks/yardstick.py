@@ -203,7 +203,7 @@ def report(summary: dict, args) -> None:
 
 def prompt_token_counts(model_path: Path) -> dict[str, int]:
     """Gemma tokens of each prompt, BOS included, as `specli run` evaluates them."""
-    from specli.llama import LlamaModel, init_backend
+    from specli.llama.model import LlamaModel, init_backend
 
     init_backend()
     model = LlamaModel(model_path, n_ctx=512)
@@ -261,7 +261,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         gemma_f16 = None
         if "draft" in args.only and not args.no_gemma_f16:
-            from specli.llama import convert
+            from specli.llama.model import convert
 
             gemma_f16 = convert(gemma_q4, Path(tmp) / "gemma-3-270m-f16.gguf", "f16")
         jobs = plan(args, gemma_q4, gemma_f16, pairs)

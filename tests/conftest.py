@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from specli import synthetic
-from specli.llama import LlamaModel, init_backend
+from fixtures import synthetic
+from specli.llama.model import LlamaModel, init_backend
 
 FIXTURE_CTX = 512
 

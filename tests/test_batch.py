@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURE_CTX
-from specli import batch
-from specli.batch_engine import DecoderPool, ItemDone, ParallelRunner, run_sequential
-from specli.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
-from specli.llama import LlamaModel
-from specli.sampling import GREEDY, SamplingParams
+from specli.session import batch
+from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, run_sequential
+from specli.decoding.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
+from specli.llama.model import LlamaModel
+from specli.decoding.sampling import GREEDY, SamplingParams
 from test_cli import assert_one_line_error, specli
 
 # One thread: the suite may share 2 cores with other llama.cpp processes, and llama.cpp's

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from specli import batch
-from specli.sampling import GREEDY
+from specli.session import batch
+from specli.decoding.sampling import GREEDY
 from test_batch import GREEDY_ARGS, PROMPTS, read_records, write_jsonl
 from test_cli import assert_one_line_error, specli
 

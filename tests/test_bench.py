@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from specli import bench
+from specli.session import bench
 from specli.errors import UsageError
 
 
@@ -181,7 +181,7 @@ def test_the_report_holds_auto_against_the_held_out_pick(capsys):
     from pathlib import Path
     from types import SimpleNamespace
 
-    from specli import cli_bench
+    from specli.cli import bench as cli_bench
 
     rows = [row("a", 0, 1.0), row("a", "auto", 1.44), row("a", 2, 1.5), row("a", 5, 1.6)]
     plan = SimpleNamespace(mode="lookup", target_path=Path("t.gguf"))
@@ -341,7 +341,7 @@ def test_bench_usage_errors_are_one_line(tmp_path):
 
 
 def test_plot_without_matplotlib_names_the_install(monkeypatch):
-    from specli import cli_bench
+    from specli.cli import bench as cli_bench
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails, installed or not
     with pytest.raises(UsageError, match="pip install matplotlib"):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from specli.chat import MessageTooLong, fit_conversation, read_message, render_plain
+from specli.session.chat import MessageTooLong, fit_conversation, read_message, render_plain
 
 GREEDY = ("--temperature", "0")
 TURN = re.compile(r"prompt (\d+) tokens in .* · prompt: (\d+) evaluated, (\d+) reused")
@@ -357,7 +357,7 @@ def test_full_context_drops_half_and_later_turns_reuse_the_cache(pair_perturbed)
 def session(monkeypatch):
     import io
 
-    from specli.chat import ChatOptions, ChatSession, Formatter
+    from specli.session.chat import ChatOptions, ChatSession, Formatter
 
     s = ChatSession(loaded=None, formatter=Formatter(None, "plain"), options=ChatOptions(), err=io.StringIO())
     s.messages = [{"role": "user", "content": "hi " * 3000}, {"role": "assistant", "content": "hello"}]

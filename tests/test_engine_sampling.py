@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 from conftest import load
-from specli import engine, synthetic
-from specli.drafters import DraftModelDrafter, PromptLookupDrafter
-from specli.engine import SpeculativeDecoder
-from specli.sampling import SamplingParams, probabilities, sample, verify_sampled
-from specli.verify import Verdict, verify_greedy
+from specli.decoding import engine
+from fixtures import synthetic
+from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
+from specli.decoding.engine import SpeculativeDecoder
+from specli.decoding.sampling import SamplingParams, probabilities, sample, verify_sampled
+from specli.decoding.verify import Verdict, verify_greedy
 from stats_check import chi_square_p_value
 
 # Flat enough that several tokens matter at each step; the llama.cpp stages all active.

@@ -28,7 +28,7 @@ DEVICE_TIMEOUT = 60  # the limit is 64 MiB: reading it takes well under a second
 def specli_with(args: list[str], *, stdin=None, stdout=subprocess.PIPE, env: dict | None = None, code: str | None = None):
     """specli with a file as stdin or stdout; `code` runs before main() in the same process
     (to make a fault happen where no input can)."""
-    prelude = (code or "") + "\nimport sys\nfrom specli.cli import main\nmain(sys.argv[1:])\n"
+    prelude = (code or "") + "\nimport sys\nfrom specli.cli.app import main\nmain(sys.argv[1:])\n"
     return subprocess.run(
         [sys.executable, "-c", prelude, *args], stdin=stdin, stdout=stdout, stderr=subprocess.PIPE,
         timeout=DEVICE_TIMEOUT, env={**os.environ, **(env or {})},
@@ -131,7 +131,7 @@ def test_tiny_temperature_and_repeat_penalty_sample(tmp_path, pair_perturbed):
 # A bug that no input can reach any more, put back by hand: an item with top_k 7 fails in the
 # middle of its generation.
 FAIL_TOP_K_7 = textwrap.dedent("""
-    from specli import engine
+    from specli.decoding import engine
     _verify = engine.SpeculativeDecoder._verify
     def _failing(self, *args):
         if self.sampling.top_k == 7:

@@ -7,10 +7,12 @@ import struct
 
 import pytest
 
-from specli import fit, synthetic
+from specli.models import fit, header
+
+from fixtures import synthetic
 from specli.errors import ModelFileError, UsageError
-from specli.llama import measure_kv_cache_bytes
-from specli.registry import load_registry
+from specli.llama.model import measure_kv_cache_bytes
+from specli.models.registry import load_registry
 
 MIB = 1024 * 1024
 
@@ -49,7 +51,7 @@ def test_per_layer_heads_and_recurrent_layers():
     # head size n_embd / n_head = 64; (2 + 4) heads x (64 + 64) x 2 bytes.
     assert shape.kv_bytes_per_cell("f16") == (2 + 4) * 128 * 2
     mamba = {"general.architecture": "mamba", "mamba.block_count": 4, "mamba.embedding_length": 256,
-             "mamba.ssm.state_size": 16, "tokenizer.ggml.tokens": fit.LongArray(5000)}
+             "mamba.ssm.state_size": 16, "tokenizer.ggml.tokens": header.LongArray(5000)}
     pure = fit.shape_from_metadata(mamba, 10**8, "mamba")
     assert pure.kv_bytes(4096, "f16") == 0 and pure.n_vocab == 5000
 
@@ -80,12 +82,12 @@ def small_model(tmp_path_factory):
 def test_reader_agrees_with_the_gguf_package(small_model):
     import gguf
 
-    ours = fit.read_gguf_metadata(small_model)
+    ours = header.read_gguf_metadata(small_model)
     reader = gguf.GGUFReader(small_model)
     theirs = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     assert set(ours) == set(theirs)
     for key, value in ours.items():
-        if isinstance(value, fit.LongArray):
+        if isinstance(value, header.LongArray):
             assert value.length == len(theirs[key])
         elif isinstance(value, float):
             assert value == pytest.approx(theirs[key])
@@ -124,15 +126,15 @@ def test_reader_rejects_non_gguf_and_truncated_files(tmp_path, small_model):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + b"\0" * 100)
     with pytest.raises(ModelFileError, match="not a GGUF"):
-        fit.read_gguf_metadata(bad)
+        header.read_gguf_metadata(bad)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(small_model.read_bytes()[:200])
     with pytest.raises(ModelFileError, match="truncated"):
-        fit.read_gguf_metadata(cut)
+        header.read_gguf_metadata(cut)
     old = tmp_path / "v1.gguf"
     old.write_bytes(b"GGUF" + struct.pack("<I", 1) + b"\0" * 16)
     with pytest.raises(ModelFileError, match="version 1"):
-        fit.read_gguf_metadata(old)
+        header.read_gguf_metadata(old)
 
 
 # --- the guide's example and the verdict ----------------------------------------------------

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specli.drafters import DraftModelDrafter, PromptLookupDrafter
-from specli.engine import SpeculativeDecoder
-from specli.llama import LlamaModel, convert, init_backend
+from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
+from specli.decoding.engine import SpeculativeDecoder
+from specli.llama.model import LlamaModel, convert, init_backend
 
 pytestmark = pytest.mark.gemma
 

@@ -16,7 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specli import fit, synthetic
+from specli.models import fit, header
+
+from fixtures import synthetic
 from specli.errors import ModelFileError
 
 U32, I32, F32, STR, ARR, U64 = 4, 5, 6, 8, 9, 10
@@ -33,9 +35,9 @@ def layout(data: bytes) -> tuple[dict[str, tuple[int, int, int]], int]:
     n_kv = struct.unpack_from("<Q", data, 16)[0]
     pos, out = 24, {}
     for _ in range(n_kv):
-        key, pos = fit._read_string(data, pos)
+        key, pos = header._read_string(data, pos)
         vtype = struct.unpack_from("<I", data, pos)[0]
-        _, end = fit._read_value(data, pos + 4, vtype, key)
+        _, end = header._read_value(data, pos + 4, vtype, key)
         out[key] = (vtype, pos + 4, end)
         pos = end
     return out, pos
@@ -49,7 +51,7 @@ def set_scalar(data: bytes, key: str, value, vtype: int | None = None) -> bytes:
     out = bytearray(data)
     vtype = old_type if vtype is None else vtype
     struct.pack_into("<I", out, off - 4, vtype)
-    struct.pack_into(fit._SCALARS[vtype], out, off, value)
+    struct.pack_into(header._SCALARS[vtype], out, off, value)
     return bytes(out)
 
 
@@ -95,7 +97,7 @@ def one_line_exit_2(result) -> str:
 
 # --- the reader: bounded and validating ------------------------------------------------------------
 def test_the_fixture_header_is_fine(base):
-    meta = fit.check_model_header(base)
+    meta = header.check_model_header(base)
     assert meta["llama.block_count"] == 2
 
 
@@ -133,7 +135,7 @@ def test_lying_headers_are_one_clear_error(base, tmp_path, name, make, fragment)
 def test_per_layer_arrays_longer_than_the_layers_are_refused():
     meta = {"general.architecture": "x", "x.block_count": 2, "x.attention.head_count": [4, 4, 4]}
     with pytest.raises(ModelFileError, match="more entries than the 2 layers"):
-        fit.check_metadata(meta, "m")
+        header.check_metadata(meta, "m")
 
 
 # --- through the CLI: exit 2, one line, at once -----------------------------------------------------
@@ -214,7 +216,7 @@ def mutate(data: bytes, mutation) -> bytes:
         return set_scalar(data, key, value, vtype)
     if kind == "add":
         _, key, vtype, value = mutation
-        payload = string_payload(value) if vtype == STR else struct.pack(fit._SCALARS[vtype], value)
+        payload = string_payload(value) if vtype == STR else struct.pack(header._SCALARS[vtype], value)
         return add_pairs(data, [encode_kv(key, vtype, payload)])
     if kind == "cut":
         return data[: mutation[1]]
@@ -246,7 +248,7 @@ def test_reader_on_mutated_headers_gives_a_result_or_one_clear_error(base, tmp_p
     for m in mutations:
         try:
             blob = mutate(blob, m)
-        except (KeyError, struct.error, AssertionError, UnicodeDecodeError, fit._Corrupt):
+        except (KeyError, struct.error, AssertionError, UnicodeDecodeError, header._Corrupt):
             pass  # an earlier mutation moved the pairs: that one no longer applies
     path = write(tmp_path, "m.gguf", blob)
     try:
@@ -264,7 +266,7 @@ def test_reader_on_mutated_headers_gives_a_result_or_one_clear_error(base, tmp_p
 LOADER = textwrap.dedent("""
     import sys
     from specli.errors import SpecliError
-    from specli.llama import LlamaModel, init_backend
+    from specli.llama.model import LlamaModel, init_backend
     init_backend()
     for path in sys.argv[1:]:
         print("loading", path, flush=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from specli.drafters import PromptLookupDrafter, _continue_periodically, _match_length, _resync
-from specli.policy import DraftJudge
+from specli.decoding.drafters import PromptLookupDrafter, _continue_periodically, _match_length, _resync
+from specli.decoding.policy.adaptive import DraftJudge
 
 
 class RecordingJudge(DraftJudge):

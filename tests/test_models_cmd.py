@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from specli import synthetic
-from specli.registry import load_registry
+from fixtures import synthetic
+from specli.models.registry import load_registry
 
 from test_cli import assert_one_line_error, specli
 

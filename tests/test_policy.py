@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from specli import policy as policy_module
-from specli.policy import (
+from specli.decoding.policy import adaptive as policy_module
+from specli.decoding.policy.adaptive import (
     PLAIN_CHECK_STEPS, PROBE_BUDGET, PROBE_CREDIT, AdaptivePolicy, ConfidenceCalibration, ContextSlope, PassCost,
     REACH_COST, PositionalAcceptance, best_length, expected_tokens, running_time,
 )  # fmt: skip

@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from specli import policy_store
-from specli.policy import LONG_MATCH, SEED_CHECKS, AdaptivePolicy
-from specli.policy_store import Rejected
+from specli.decoding.policy import store as policy_store
+from specli.decoding.policy.adaptive import LONG_MATCH, SEED_CHECKS, AdaptivePolicy
+from specli.decoding.policy.store import Rejected
 
 NOW = 1_800_000_000.0
 # Gemma 3 270M on 2 quiet CPU threads, ms per pass over n tokens (measured here), and what busy

@@ -266,7 +266,7 @@ def test_pulled_pair_resolves_offline(hub, env):
     assert pull(env, "pair").returncode == 0
     check = subprocess.run(
         [sys.executable, "-c",
-         "from specli.registry import load_effective_registry, resolve_source as r;"
+         "from specli.models.registry import load_effective_registry, resolve_source as r;"
          "e = load_effective_registry().get('pair'); print(r(e.target)); print(r(e.draft))"],
         capture_output=True, text=True, timeout=60, env={**env, "HF_HUB_OFFLINE": "1"},
     )

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specli.compat import check_compatible
-from specli.drafters import PromptLookupDrafter, _softmax_at
+from specli.llama.compat import check_compatible
+from specli.decoding.drafters import PromptLookupDrafter, _softmax_at
 from specli.errors import IncompatibleDraftError
-from specli.llama import VocabInfo, common_prefix_len
-from specli.stats import Stats
-from specli.text import TextStream, detokenize
-from specli.verify import verify_greedy
+from specli.llama.model import VocabInfo, common_prefix_len
+from specli.decoding.stats import Stats
+from specli.decoding.text import TextStream, detokenize
+from specli.decoding.verify import verify_greedy
 
 
 def one_hot_rows(choices: list[int], n_vocab: int = 10) -> np.ndarray:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from specli import registry as reg
+from specli.models import registry as reg
 from specli.errors import EXIT_USAGE, RegistryError
-from specli.registry import (
+from specli.models.registry import (
     ModelSource,
     load_registry,
     parse_registry,
@@ -87,28 +87,17 @@ def test_shipped_split_models_list_every_part_first_part_first():
         assert files[1].endswith("-00002-of-00002.gguf")
 
 
-def test_repo_root_is_the_fallback_for_a_checkout(tmp_path, monkeypatch):
-    # No package data (tmp_path has no models.toml), as in an editable install.
-    monkeypatch.setattr(reg.importlib.resources, "files", lambda package: tmp_path)
-    checkout_file = tmp_path / "checkout" / "models.toml"
-    checkout_file.parent.mkdir()
-    checkout_file.write_text((REPO_ROOT / "models.toml").read_text(encoding="utf-8"), encoding="utf-8")
-    monkeypatch.setattr(reg, "_checkout_registry_path", lambda: checkout_file)
-    assert load_registry().path == checkout_file
-    checkout_file.unlink()
+def test_the_shipped_registry_is_package_data(tmp_path, monkeypatch):
+    assert load_registry().path == REPO_ROOT / "src/specli/models/models.toml"
+    monkeypatch.setattr(reg.importlib.resources, "files", lambda package: tmp_path)  # no models.toml there
     with pytest.raises(RegistryError, match="model registry not found"):
         load_registry()
-
-
-def test_package_data_wins_over_repo_root(tmp_path, monkeypatch):
-    packaged = tmp_path / "specli"
-    packaged.mkdir()
-    (packaged / "models.toml").write_text(
+    packaged = tmp_path / "models.toml"
+    packaged.write_text(
         'default = "only"\n[models.only]\ndescription = "x"\ndraft = "lookup"\n'
         '[models.only.target]\npackage = "some_module"\n',
         encoding="utf-8",
     )
-    monkeypatch.setattr(reg.importlib.resources, "files", lambda package: packaged)
     assert list(load_registry().entries) == ["only"]
 
 
@@ -710,7 +699,7 @@ def test_a_kill_during_assembly_leaves_no_partial_file_and_the_next_run_recovers
     os.mkfifo(fifo)
     (pkg / "chunks.txt").write_text("\n".join(chunk_list[:2] + [str(fifo)]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg.parent), os.environ.get("PYTHONPATH", "")]))
-    code = "from specli.registry import ModelSource, resolve_source; print(resolve_source(ModelSource(package='specli_chunked_demo')))"
+    code = "from specli.models.registry import ModelSource, resolve_source; print(resolve_source(ModelSource(package='specli_chunked_demo')))"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30

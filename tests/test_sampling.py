@@ -16,7 +16,7 @@ import pytest
 
 from specli.errors import UsageError
 from stats_check import chi_square_p_value
-from specli.sampling import (
+from specli.decoding.sampling import (
     SamplingParams,
     make_rng,
     probabilities,

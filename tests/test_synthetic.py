@@ -13,7 +13,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from specli import synthetic as S  # noqa: E402  (after the importorskip)
+from fixtures import synthetic as S  # noqa: E402  (after the importorskip)
 
 
 def read_fields(path: Path) -> dict[str, object]:

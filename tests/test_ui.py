@@ -6,7 +6,7 @@ import io
 
 from rich.text import Text
 
-from specli import ui
+from specli.cli import render as ui
 
 
 class FakeTerminal(io.StringIO):

@@ -1,3 +1,3 @@
-from .cli import main
+from specli.cli.app import main
 
 main()

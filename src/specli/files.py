@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Iterable
 
-from .errors import UsageError
+from specli.errors import UsageError
 
 # Prompts and input files (`run -`, `batch INPUT`, `bench --prompts`) are read up to this many
 # bytes; the variable raises (or lowers) it.

@@ -24,7 +24,8 @@ import numpy as np
 
 import llama_cpp
 
-from .errors import ModelFileError, SpecliError, UsageError
+from specli.errors import ModelFileError, SpecliError, UsageError
+from specli.models.header import check_model_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -202,7 +203,7 @@ class LlamaModel:
         init_backend(verbose=_verbose)
         path = Path(path)
         check_gguf_file(path)
-        __import__("specli.fit").fit.check_model_header(path)  # header facts llama.cpp would abort on
+        check_model_header(path)  # header facts llama.cpp would abort on
         self.path = path
 
         mparams = llama_cpp.llama_model_default_params()

@@ -14,14 +14,14 @@ from typing import Optional
 
 import typer
 
-from . import bench
-from .cli import (
+from specli.session import bench
+from specli.cli.app import (
     CtxOpt, DraftNglOpt, DraftOpt, LookupOpt, MinPOpt, ModelOpt, NglOpt, QuietOpt, RepeatLastNOpt,
     RepeatPenaltyOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, VerboseOpt, _load, _model_choice,
     app, sampling_json,
 )  # fmt: skip
-from .errors import UsageError
-from .files import check_writable
+from specli.errors import UsageError
+from specli.files import check_writable
 
 MATPLOTLIB_MISSING = "--plot needs matplotlib, which is not installed; pip install matplotlib"
 
@@ -55,8 +55,8 @@ def bench_command(
     """Measure target-only vs speculative decoding for several N on a prompt set, and say
     whether speculative decoding pays off. Greedy by default (--temperature 0), which measures
     cleanly; --temperature > 0 samples, with a seed per round."""
-    from .llama import init_backend
-    from .loading import plan
+    from specli.llama.model import init_backend
+    from specli.session.loading import plan
 
     ns = bench.parse_ns(ns_text)
     if repeat < 1:
@@ -112,8 +112,8 @@ def _measure(loaded, prompts, ns, repeat, max_tokens, sampling, *, quiet: bool) 
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .engine import SpeculativeDecoder
-    from .ui import stderr_console
+    from specli.decoding.engine import SpeculativeDecoder
+    from specli.cli.render import stderr_console
 
     model_tgt = loaded.model_tgt
     add_bos = model_tgt.vocab_info().add_bos

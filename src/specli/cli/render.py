@@ -16,8 +16,8 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.text import Text
 
-from .engine import Generation, Step
-from .stats import Stats
+from specli.decoding.engine import Generation, Step
+from specli.decoding.stats import Stats
 
 ACCEPTED_SGR, RESET_SGR = "\x1b[36m", "\x1b[39m"  # --show-accept: text from accepted drafts in cyan
 LOW_ACCEPTANCE = 0.5  # below this, drafting likely costs more than it saves

@@ -22,12 +22,12 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .batch import Item, prompt_too_long
-from .drafters import DraftModelDrafter, Drafter, HybridDrafter, PromptLookupDrafter, Proposal
-from .engine import AUTO, AUTO_MAX_DRAFT, STOP_CONTEXT_FULL, STOP_MAX_TOKENS, Generation, SpeculativeDecoder, Step
-from .errors import SpecliError
-from .llama import LlamaModel, MultiSequenceContext, SequenceView
-from .sampling import make_rng
+from specli.session.batch import Item, prompt_too_long
+from specli.decoding.drafters import DraftModelDrafter, Drafter, HybridDrafter, PromptLookupDrafter, Proposal
+from specli.decoding.engine import AUTO, AUTO_MAX_DRAFT, STOP_CONTEXT_FULL, STOP_MAX_TOKENS, Generation, SpeculativeDecoder, Step
+from specli.errors import SpecliError
+from specli.llama.model import LlamaModel, MultiSequenceContext, SequenceView
+from specli.decoding.sampling import make_rng
 
 
 @dataclass

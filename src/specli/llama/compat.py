@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .errors import IncompatibleDraftError
-from .llama import VOCAB_TYPE_NAMES, VocabInfo
+from specli.errors import IncompatibleDraftError
+from specli.llama.model import VOCAB_TYPE_NAMES, VocabInfo
 
 MAX_VOCAB_SIZE_DIFFERENCE = 128
 FIRST_CHECKED_TOKEN_ID = 5

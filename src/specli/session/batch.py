@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Union
 
-from .errors import UsageError
-from .files import read_limited, strip_bom, write_atomically
-from .sampling import SamplingParams
-from .stats import Stats
+from specli.errors import UsageError
+from specli.files import read_limited, strip_bom, write_atomically
+from specli.decoding.sampling import SamplingParams
+from specli.decoding.stats import Stats
 
 # Per-item fields that override the command line, with the JSON types they accept.
 SAMPLING_FIELDS = {

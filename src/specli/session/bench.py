@@ -16,9 +16,9 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .engine import AUTO, MAX_DRAFT, parse_draft_length
-from .errors import UsageError
-from .files import read_limited, replace_text, strip_bom
+from specli.decoding.engine import AUTO, MAX_DRAFT, parse_draft_length
+from specli.errors import UsageError
+from specli.files import read_limited, replace_text, strip_bom
 
 DEFAULT_NS = (AUTO, 1, 2, 3, 5, 8, 12)
 TARGET_ONLY = 0  # the configuration "N = 0": no drafting

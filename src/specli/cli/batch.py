@@ -17,14 +17,14 @@ from typing import Optional
 
 import typer
 
-from . import batch
-from .cli import (
+from specli.session import batch
+from specli.cli.app import (
     EXIT_INTERRUPTED, CtxOpt, DraftNglOpt, DraftOpt, LookupOpt, MinPOpt, ModelOpt, NDraftOpt, NglOpt, QuietOpt,
     RepeatLastNOpt, RepeatPenaltyOpt, TargetOnlyOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, VerboseOpt,
     _load, _model_choice, _result_json, app, sampling_json,
 )  # fmt: skip
-from .errors import EXIT_RUNTIME, UsageError
-from .files import ExclusiveLock, LockBusy, check_writable, replace_text, write_atomically
+from specli.errors import EXIT_RUNTIME, UsageError
+from specli.files import ExclusiveLock, LockBusy, check_writable, replace_text, write_atomically
 
 EXIT_SOME_FAILED = EXIT_RUNTIME
 # --parallel at most: llama.cpp's LLAMA_MAX_SEQ (sequence ids 0..255; it keeps the count in 32
@@ -87,8 +87,8 @@ def batch_command(
 
 def _batch(input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens, *, quiet, verbose, force=False) -> int:
     """The run itself, with the output (if a file) locked."""
-    from .llama import init_backend
-    from .loading import plan
+    from specli.llama.model import init_backend
+    from specli.session.loading import plan
 
     lines = batch.read_input(input_path, sys.stdin.buffer)
     fmt = batch.detect_format(input_path, lines, input_format)
@@ -122,7 +122,7 @@ def _batch(input_path, output, out_path, overwrite, summary_path, parallel, inpu
 def _check_parallel(parallel: int, ctx: int) -> None:
     """UsageError unless 1 <= --parallel <= MAX_PARALLEL and the P contexts of -c tokens fit in
     one llama.cpp context (at most MAX_CTX tokens: the P sequences share one KV cache)."""
-    from .llama import MAX_CTX
+    from specli.llama.model import MAX_CTX
 
     if not 1 <= parallel <= MAX_PARALLEL:
         raise UsageError(f"--parallel must be from 1 to {MAX_PARALLEL} (llama.cpp's most sequences in one context), got {parallel}")
@@ -211,8 +211,8 @@ def _resume_notice(path: Path, previous: batch.Previous, entries: list[batch.Ent
 
 def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, quiet: bool) -> batch.Summary:
     """Generate every item not yet done, writing each record as it completes."""
-    from .batch_engine import DecoderPool, ItemDone, ParallelRunner, run_sequential
-    from .drafters import PromptLookupDrafter
+    from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, run_sequential
+    from specli.decoding.drafters import PromptLookupDrafter
 
     done_before = previous.done if previous is not None else set()
     summary = batch.Summary(items=len(entries))
@@ -304,7 +304,7 @@ class _Progress:
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            from .ui import stderr_console
+            from specli.cli.render import stderr_console
 
             columns = (TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rates]}"), TimeRemainingColumn())
             self._progress = Progress(*columns, console=stderr_console(), transient=True)

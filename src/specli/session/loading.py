@@ -12,15 +12,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__, policy_store
-from .compat import check_compatible
-from .drafters import DraftModelDrafter, Drafter, HybridDrafter, PromptLookupDrafter
-from .engine import AUTO, MAX_DRAFT, SpeculativeDecoder
-from .errors import UsageError
-from .files import write_atomically
-from .llama import LlamaModel, validate_ctx
-from .registry import RegistryEntry, load_effective_registry, resolve_model_arg, resolve_source
-from .sampling import GREEDY, SamplingParams
+from specli import __version__
+
+from specli.decoding.policy import store as policy_store
+from specli.llama.compat import check_compatible
+from specli.decoding.drafters import DraftModelDrafter, Drafter, HybridDrafter, PromptLookupDrafter
+from specli.decoding.engine import AUTO, MAX_DRAFT, SpeculativeDecoder
+from specli.errors import UsageError
+from specli.files import write_atomically
+from specli.llama.model import LlamaModel, validate_ctx
+from specli.models.registry import RegistryEntry, load_effective_registry, resolve_model_arg, resolve_source
+from specli.decoding.sampling import GREEDY, SamplingParams
 
 LOOKUP = "lookup"
 HYBRID = "hybrid"

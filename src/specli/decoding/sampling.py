@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import UsageError
-from .verify import Verdict
+from specli.errors import UsageError
+from specli.decoding.verify import Verdict
 
 # Full-vocabulary top-p first tries the most probable few candidates (llama.cpp's adaptive
 # top-p does the same with 256): usually their mass already reaches top_p, and sorting 256

@@ -20,9 +20,9 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from .llama import LlamaModel
-from .policy import FIXED, DraftJudge
-from .sampling import GREEDY, SamplingParams, greedy_choice, penalty_history, sample_from_logits
+from specli.llama.model import LlamaModel
+from specli.decoding.policy.adaptive import FIXED, DraftJudge
+from specli.decoding.sampling import GREEDY, SamplingParams, greedy_choice, penalty_history, sample_from_logits
 
 
 @dataclass

@@ -33,13 +33,13 @@ try:
 
     import typer
 
-    from . import __version__
-    from .errors import EXIT_RUNTIME, EXIT_USAGE, SpecliError, UsageError
-    from .engine import MAX_DRAFT, parse_draft_length
-    from .files import read_limited, strip_bom
-    from .llama import validate_ctx
-    from .loading import ModelChoice, load, plan
-    from .sampling import SamplingParams
+    from specli import __version__
+    from specli.errors import EXIT_RUNTIME, EXIT_USAGE, SpecliError, UsageError
+    from specli.decoding.engine import MAX_DRAFT, parse_draft_length
+    from specli.files import read_limited, strip_bom
+    from specli.llama.model import validate_ctx
+    from specli.session.loading import ModelChoice, load, plan
+    from specli.decoding.sampling import SamplingParams
 except KeyboardInterrupt:
     _exit_interrupted()
 
@@ -133,7 +133,7 @@ def parse_n_draft(text: str | None) -> int | str | None:
 def _load(the_plan, choice: ModelChoice, *, quiet: bool, verbose: bool = False):
     """Load the plan's models, with a spinner on a terminal; say so when saved measurements
     were ignored (--verbose: why)."""
-    from .ui import stderr_console
+    from specli.cli.render import stderr_console
 
     if quiet or not sys.stderr.isatty():
         loaded = load(the_plan, choice)
@@ -190,8 +190,8 @@ def run(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling (default: a fresh one, reported in --json)."),
 ) -> int:
     """Generate a continuation of PROMPT, streamed to stdout, with live stats on stderr."""
-    from .llama import init_backend
-    from .ui import low_acceptance_warning, stream_generation, summary_line
+    from specli.llama.model import init_backend
+    from specli.cli.render import low_acceptance_warning, stream_generation, summary_line
 
     choice = _model_choice(
         model, draft, lookup, target_only, n_draft, max_tokens, ctx, ngl, draft_ngl, threads,
@@ -279,8 +279,8 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling (default: a fresh one per reply)."),
 ) -> int:
     """Chat with a model: replies streamed to stdout, per-turn stats on stderr; /help lists the commands."""
-    from .chat import ChatOptions, ChatSession, LineReader, check_template_name, choose_formatter
-    from .llama import init_backend
+    from specli.session.chat import ChatOptions, ChatSession, LineReader, check_template_name, choose_formatter
+    from specli.llama.model import init_backend
 
     choice = _model_choice(
         model, draft, lookup, target_only, n_draft, max_tokens, ctx, ngl, draft_ngl, threads,
@@ -381,8 +381,8 @@ def _click_message(err) -> str:
 
 # Commands kept in their own modules register themselves on `app` when imported.
 try:
-    from . import cli_models  # noqa: E402,F401
-    from . import cli_bench  # noqa: E402,F401
-    from . import cli_batch  # noqa: E402,F401
+    from specli.cli import models as cli_models  # noqa: E402,F401
+    from specli.cli import bench as cli_bench  # noqa: E402,F401
+    from specli.cli import batch as cli_batch  # noqa: E402,F401
 except KeyboardInterrupt:
     _exit_interrupted()

@@ -227,29 +227,15 @@ def parse_user_registry(text: str, label: str, base: Registry, path: Path | None
     return _Checker(text, label).overlay(data, base, path)
 
 
-def _checkout_registry_path() -> Path:
-    """models.toml at the root of a source checkout (src/specli/registry.py -> ../../)."""
-    return Path(__file__).resolve().parents[2] / REGISTRY_FILE
-
-
 def _read_shipped() -> tuple[str, str, Path | None]:
-    """Return (text, label, path) of the shipped models.toml; RegistryError if absent."""
-    # Package data: present in a wheel install (hatch force-include), absent in a checkout.
+    """Return (text, label, path) of the shipped models.toml (package data of specli.models);
+    RegistryError if absent."""
     try:
-        resource = importlib.resources.files("specli").joinpath(REGISTRY_FILE)
-        if resource.is_file():
-            local = Path(str(resource)) if isinstance(resource, Path) else None
-            return resource.read_text(encoding="utf-8"), REGISTRY_FILE, local
+        resource = importlib.resources.files(__package__).joinpath(REGISTRY_FILE)
+        local = Path(str(resource)) if isinstance(resource, Path) else None
+        return resource.read_text(encoding="utf-8"), REGISTRY_FILE, local
     except (ModuleNotFoundError, OSError):
-        pass
-    root_file = _checkout_registry_path()
-    try:
-        return root_file.read_text(encoding="utf-8"), REGISTRY_FILE, root_file
-    except OSError:
-        raise RegistryError(
-            f"model registry not found: neither specli/{REGISTRY_FILE} (package data) "
-            f"nor {root_file}; reinstall specli"
-        ) from None
+        raise RegistryError(f"model registry not found: {__package__}/{REGISTRY_FILE} is missing; reinstall specli") from None
 
 
 def parse_registry(text: str, label: str = REGISTRY_FILE, path: Path | None = None) -> Registry:
@@ -669,7 +655,7 @@ def _verified(target: Path, size: int, expected: str) -> bool:
 def _write_stamp(target: Path) -> None:
     try:
         stat = target.stat()
-        from .files import replace_text
+        from specli.files import replace_text
 
         replace_text(_stamp_path(target), f"{stat.st_size} {stat.st_mtime_ns}")
     except OSError:
@@ -690,7 +676,7 @@ def _lock_folder(target: Path, size: int):
     """Hold the assembly lock of `target` (waiting while another process assembles it)."""
     import time
 
-    from .files import ExclusiveLock, LockBusy
+    from specli.files import ExclusiveLock, LockBusy
 
     lock = ExclusiveLock(target.with_name(f".{target.name}.lock"))
     deadline = time.monotonic() + _LOCK_WAIT_S

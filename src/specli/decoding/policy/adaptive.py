@@ -63,7 +63,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from .policy_store import PLAUSIBLE, SAVED_ACCEPT_WEIGHT, SAVED_CALIBRATION_WEIGHT, Cost, Saved, SourceRecord
+from specli.decoding.policy.store import PLAUSIBLE, SAVED_ACCEPT_WEIGHT, SAVED_CALIBRATION_WEIGHT, Cost, Saved, SourceRecord
 
 # Before anything is measured: an optimistic acceptance (so the first steps draft and learn),
 # a target pass cost growing by 10% per extra token, and a draft token at 10% of a pass.

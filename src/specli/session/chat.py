@@ -16,12 +16,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
-from .engine import AUTO, MAX_DRAFT, parse_draft_length
-from .errors import UsageError
-from .files import input_limit_error, max_input_bytes, replace_text
-from .llama import LlamaModel, apply_chat_template, builtin_chat_templates
-from .loading import Loaded
-from .stats import Stats
+from specli.decoding.engine import AUTO, MAX_DRAFT, parse_draft_length
+from specli.errors import UsageError
+from specli.files import input_limit_error, max_input_bytes, replace_text
+from specli.llama.model import LlamaModel, apply_chat_template, builtin_chat_templates
+from specli.session.loading import Loaded
+from specli.decoding.stats import Stats
 
 PLAIN = "plain"  # our fallback format for models without a usable template
 
@@ -303,7 +303,7 @@ class ChatSession:
     # --- a turn --------------------------------------------------------------------------------
     def turn(self, text: str) -> None:
         """Answer `text`: fit the conversation, stream the reply, add both to the history."""
-        from .ui import stream_generation, summary_line
+        from specli.cli.render import stream_generation, summary_line
 
         decoder = self.loaded.decoder
         n_ctx = decoder.model_tgt.n_ctx
@@ -404,7 +404,7 @@ class ChatSession:
 
     def to_json(self) -> dict:
         """The conversation and the settings it was produced with (what /save writes)."""
-        from .cli import sampling_json
+        from specli.cli.app import sampling_json
 
         plan = self.loaded.plan
         return {

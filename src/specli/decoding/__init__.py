@@ -1,0 +1,1 @@
+"""The speculative loop and its pure parts: engine, parallel runner, drafters, verification, sampling, stats, text."""

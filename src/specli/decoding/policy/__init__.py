@@ -1,0 +1,1 @@
+"""`-n auto`: how many tokens to draft each step, and what is kept between runs."""
