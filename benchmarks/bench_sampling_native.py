@@ -26,7 +26,8 @@ from bench_lookup import (
     run_process, run_spec_simple, write_prompt_files,
 )  # fmt: skip
 
-from specli.llama.model import convert
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures package
+from fixtures.helpers import convert  # noqa: E402
 
 
 def specli_run(args, target: Path, draft: Path | None, prompt: str, seed: int) -> dict:

@@ -4,7 +4,7 @@
 Two configurations, each against target-only decoding at the same temperature (same process,
 runs interleaved so machine noise hits both alike):
 - "cost pair": the synthetic cost-realistic pair (target ~10x the draft's cost per token, ~90%
-  greedy agreement, soft logits; specli.synthetic.make_cost_pair), drafted by its draft model;
+  greedy agreement, soft logits; tests/fixtures/synthetic.py's make_cost_pair), drafted by its draft model;
 - "gemma lookup": Gemma 3 270M Q4_K_M drafted by prompt lookup.
 
 Speedup = speculative tokens/s / target-only tokens/s (medians over --repeat seeds).
@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fi
 from fixtures import synthetic  # noqa: E402
 from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specli.decoding.engine import SpeculativeDecoder
-from specli.llama.model import LlamaModel, init_backend
+from specli.llama.model import LlamaModel
+from specli.llama.native import init_backend
 from specli.decoding.sampling import SamplingParams
 
 TEMPERATURES = [0.0, 0.4, 0.8, 1.2]

@@ -24,7 +24,8 @@ from pathlib import Path
 from specli.session.bench import BUILTIN_PROMPTS, token_budget
 from specli.decoding.drafters import DraftModelDrafter
 from specli.decoding.engine import AUTO, SpeculativeDecoder
-from specli.llama.model import LlamaModel, init_backend
+from specli.llama.model import LlamaModel
+from specli.llama.native import init_backend
 from specli.decoding.sampling import GREEDY
 
 WORLDS = ("reuse", "no reuse")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build cost-realistic synthetic (target, draft) pairs for `specli bench`, at three agreement levels.
 
-Each pair comes from specli.synthetic.make_cost_pair: the target is the draft's blocks plus 8
+Each pair comes from tests/fixtures/synthetic.py's make_cost_pair: the target is the draft's blocks plus 8
 more (about 8-10x the draft's cost per token), and a calibrated scale on the extra blocks sets
 how often the two agree. The levels aim at a greedy acceptance near 0.5, 0.7 and 0.9.
 Random weights: these pairs measure the speculative loop's mechanics and cost, not language
@@ -25,7 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures package
 from fixtures import synthetic  # noqa: E402
-from specli.llama.model import LlamaModel, init_backend
+from specli.llama.model import LlamaModel
+from specli.llama.native import init_backend
 
 # make_cost_pair's agreement knob is teacher-forced on random tokens; along a greedy path the
 # agreement differs, and the calibration is a bisection, so greedy agreement moves in steps as

@@ -40,7 +40,8 @@ import specli.decoding.engine as engine_module
 from specli.session.bench import BUILTIN_PROMPTS, token_budget
 from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specli.decoding.engine import AUTO, SpeculativeDecoder
-from specli.llama.model import LlamaModel, init_backend
+from specli.llama.model import LlamaModel
+from specli.llama.native import init_backend
 from specli.decoding.sampling import GREEDY, SamplingParams
 
 LONGEST = 70  # pass sizes measured; longer passes are charged proportionally

@@ -20,7 +20,8 @@ from bench_lookup import PROMPTS, default_model
 
 from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specli.decoding.engine import SpeculativeDecoder
-from specli.llama.model import LlamaModel, init_backend
+from specli.llama.model import LlamaModel
+from specli.llama.native import init_backend
 
 
 def profile(decoder: SpeculativeDecoder, prompt_ids: list[int], max_tokens: int, top: int) -> None:

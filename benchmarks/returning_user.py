@@ -76,7 +76,7 @@ def one_round(label: str, pythonpath: str, prompt: str, args) -> dict:
     yardstick = statistics.mean([results["fresh"]["tok_s"], results["fresh'"]["tok_s"]])
     results["quiet 3 / fresh"] = results["quiet 3"]["tok_s"] / yardstick
     # Greedy output on quantized weights can take the other branch of a near-tie when the pass
-    # shapes differ (README, "exact"): then two runs decode different texts, and their speeds
+    # shapes differ (docs/sampling.md): then two runs decode different texts, and their speeds
     # compare texts as much as policies.
     results["same text"] = "".join("=" if r["tokens"] == results["fresh"]["tokens"] else "x"
                                    for r in results.values() if isinstance(r, dict))  # fmt: skip

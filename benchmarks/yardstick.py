@@ -17,7 +17,7 @@ plain decoding; the ratio of the two speedups is the figure that travels across 
    draft-simple (--spec-draft-n-max N, and with --spec-draft-p-min 0.75 gating, n-max 16),
    on the three synthetic cost pairs of make_cost_pairs.py (greedy agreement 0.54/0.71/0.96;
    target ~8-10x the draft's cost: loop mechanics and cost, not language quality) and on Gemma
-   3 270M F16 with its Q4_K_M as the draft (a draft as costly as the target on a CPU: NOTES.md).
+   3 270M F16 with its Q4_K_M as the draft (a draft as costly as the target on a CPU: the 262k-token output head, shared, dominates).
    Acceptance is shown for both sides: identical outputs are not guaranteed (batch numerics).
 
 Needs: the native build (benchmarks/build_native.sh) and the cost pairs
@@ -203,7 +203,8 @@ def report(summary: dict, args) -> None:
 
 def prompt_token_counts(model_path: Path) -> dict[str, int]:
     """Gemma tokens of each prompt, BOS included, as `specli run` evaluates them."""
-    from specli.llama.model import LlamaModel, init_backend
+    from specli.llama.model import LlamaModel
+    from specli.llama.native import init_backend
 
     init_backend()
     model = LlamaModel(model_path, n_ctx=512)
@@ -261,7 +262,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         gemma_f16 = None
         if "draft" in args.only and not args.no_gemma_f16:
-            from specli.llama.model import convert
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures package
+            from fixtures.helpers import convert
 
             gemma_f16 = convert(gemma_q4, Path(tmp) / "gemma-3-270m-f16.gguf", "f16")
         jobs = plan(args, gemma_q4, gemma_f16, pairs)

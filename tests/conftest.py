@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from fixtures import synthetic
-from specli.llama.model import LlamaModel, init_backend
+from specli.llama.model import LlamaModel
+from specli.llama.native import init_backend
 
 FIXTURE_CTX = 512
 
@@ -50,6 +51,6 @@ def gemma_path() -> Path:
 
 
 def load(path: Path, n_ctx: int = FIXTURE_CTX) -> LlamaModel:
-    """A fixture model with the numerics that make batched == one-at-a-time (see llama.py)."""
+    """A fixture model with the numerics that make batched == one-at-a-time (see LlamaModel)."""
     init_backend()
     return LlamaModel(path, n_ctx=n_ctx, n_threads=2, kv_type="f32", flash_attn="off")

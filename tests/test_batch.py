@@ -15,7 +15,7 @@ import pytest
 from conftest import FIXTURE_CTX
 from specli.session import batch
 from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, run_sequential
-from specli.decoding.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
+from specli.decoding.drafters import make_drafter
 from specli.llama.model import LlamaModel
 from specli.decoding.sampling import GREEDY, SamplingParams
 from test_cli import assert_one_line_error, specli
@@ -318,14 +318,13 @@ def test_parallel_equals_sequential_token_for_token(pair_perturbed, drafting, sa
     """F32 weights, F32 cache, flash attention off: the numerics under which a multi-sequence
     pass gives the logits of a single-sequence one (~1e-5), so every item must match exactly."""
     model = load(pair_perturbed[0], n_ctx=256)
-    make_drafter = PromptLookupDrafter if drafting == "lookup" else (lambda: None)
     try:
         prompts = [*PROMPTS, "word " * 300, *PROMPTS[::-1]]  # one prompt too long for n_ctx 256
         items = engine_items(prompts, sampling)
-        reference = generate(run_sequential(DecoderPool(model, make_drafter(), n_draft), items))
-        assert "raise -c" in reference["p6"]
+        reference = generate(run_sequential(DecoderPool(model, make_drafter(drafting), n_draft), items))
+        assert "raise n_ctx" in reference["p6"]  # (the core names its field; the CLI says -c)
         for n_seq in (2, 3):
-            runner = ParallelRunner(model, make_drafter, n_draft, n_seq, n_threads=1, kv_type="f32", flash_attn="off")
+            runner = ParallelRunner(model, drafting, n_draft, n_seq, n_threads=1, kv_type="f32", flash_attn="off")
             try:
                 assert generate(runner.run(items)) == reference, n_seq
             finally:
@@ -341,12 +340,9 @@ def test_parallel_with_a_draft_model_equals_sequential(pair_perturbed, n_draft, 
     model, model_dft = load(pair_perturbed[0], n_ctx=256), load(pair_perturbed[1], n_ctx=256)
     try:
         items = engine_items(PROMPTS)
-        drafter = DraftModelDrafter(model_dft)
-        if hybrid:
-            drafter = HybridDrafter(PromptLookupDrafter(), drafter)
-        reference = generate(run_sequential(DecoderPool(model, drafter, n_draft), items))
-        runner = ParallelRunner(model, None, n_draft, 2, n_threads=1, kv_type="f32", flash_attn="off",
-                                model_dft=model_dft, hybrid=hybrid)  # fmt: skip
+        mode = "hybrid" if hybrid else "draft-model"
+        reference = generate(run_sequential(DecoderPool(model, make_drafter(mode, model_dft), n_draft), items))
+        runner = ParallelRunner(model, mode, n_draft, 2, n_threads=1, kv_type="f32", flash_attn="off", model_dft=model_dft)
         drafted = 0
         try:
             events = list(runner.run(items))
@@ -362,7 +358,7 @@ def test_parallel_with_a_draft_model_equals_sequential(pair_perturbed, n_draft, 
 
 def test_parallel_runs_several_sequences_per_pass_and_fills_free_slots(pair_perturbed):
     model = load(pair_perturbed[0])
-    runner = ParallelRunner(model, PromptLookupDrafter, 4, 3, n_threads=1, kv_type="f32", flash_attn="off")
+    runner = ParallelRunner(model, "lookup", 4, 3, n_threads=1, kv_type="f32", flash_attn="off")
     try:
         order, width = [], []
         original_eval = runner.seqs.eval
@@ -381,3 +377,37 @@ def test_parallel_runs_several_sequences_per_pass_and_fills_free_slots(pair_pert
     finally:
         runner.close()
         model.close()
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
+def test_both_loops_tell_the_policy_the_same_facts(pair_perturbed, monkeypatch, parallel):
+    """Both loops take engine.py's one step per sequence: with -n auto the policy hears of
+    every step with the CPU time of its pass and, from a generation's third step on, the gap
+    since the previous one (the lockstep loop once left both out)."""
+    from specli.decoding import engine
+
+    calls = []
+    observe = engine.AdaptivePolicy.observe
+
+    def spy(self, step):
+        calls.append(step)
+        return observe(self, step)
+
+    monkeypatch.setattr(engine.AdaptivePolicy, "observe", spy)
+    model = load(pair_perturbed[0])
+    items = engine_items(PROMPTS[:3], max_tokens=(12,))
+    try:
+        if parallel:
+            runner = ParallelRunner(model, "lookup", "auto", 2, n_threads=1, kv_type="f32", flash_attn="off")
+            try:
+                done = generate(runner.run(items))
+            finally:
+                runner.close()
+        else:
+            done = generate(run_sequential(DecoderPool(model, make_drafter("lookup"), "auto"), items))
+    finally:
+        model.close()
+    assert len(done) == len(items) and all(isinstance(result, tuple) for result in done.values())
+    assert calls and all(call.cpu_s is not None for call in calls)
+    assert any(call.gap_s is not None for call in calls)
+    assert sum(call.gap_s is None for call in calls) <= 2 * len(items)  # each item's first two steps

@@ -331,7 +331,7 @@ def test_bench_usage_errors_are_one_line(tmp_path):
     for args, fragment in (
         (("--prompts", str(bad)), "line 2"),
         (("--n", "1,zero"), "'zero' is not a number"),
-        (("--repeat", "0"), "--repeat must be at least 1"),
+        (("--repeat", "0"), "Invalid value for '--repeat'"),
         (("--json", str(tmp_path / "missing" / "o.json")), "does not exist"),
     ):
         result = specli("bench", *args)

@@ -10,7 +10,7 @@ from specli.decoding.drafters import DraftModelDrafter, HybridDrafter, PromptLoo
 from specli.decoding.engine import AUTO, AUTO_MAX_DRAFT, SpeculativeDecoder
 from specli.errors import IncompatibleDraftError, UsageError
 from specli.session.loading import ModelChoice, load as load_plan, plan
-from specli.decoding.policy.adaptive import AdaptivePolicy
+from specli.decoding.policy.adaptive import AdaptivePolicy, StepReport
 from specli.decoding.sampling import GREEDY, SamplingParams
 
 N_VALUES = ["auto", 1, 2, 3, 5, 8, 12]
@@ -198,7 +198,7 @@ def test_draft_confidence_steers_auto_in_greedy_decoding_only(perturbed, tempera
 
     policy = Recording(8)
     for _ in range(2):  # the plain steps that measure plain decoding
-        policy.observe(None, 0, 0, None, 0.0, 1, 1e-3)
+        policy.observe(StepReport(None, 0, 0, None, 0.0, 1, 1e-3))
     drafter = DraftModelDrafter(model_dft)
     prompt = model_tgt.tokenize(PROMPTS[0])
     sampling = GREEDY if temperature == 0 else SamplingParams(temperature=temperature, seed=1)
@@ -217,9 +217,9 @@ def test_the_engine_tells_auto_the_loops_time_between_passes(perturbed):
     gaps = []
 
     class Recording(AdaptivePolicy):
-        def observe(self, *args, gap_s=None, **kwargs):
-            gaps.append(gap_s)
-            super().observe(*args, gap_s=gap_s, **kwargs)
+        def observe(self, step):
+            gaps.append(step.gap_s)
+            super().observe(step)
 
     decoder = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), AUTO)
     decoder.policy = decoder.judge = Recording(AUTO_MAX_DRAFT)
@@ -274,9 +274,9 @@ def test_prompt_errors(perturbed):
     decoder = SpeculativeDecoder(model_tgt, PromptLookupDrafter(), 5)
     with pytest.raises(UsageError, match="empty"):
         decoder.generate([], max_tokens=5)
-    with pytest.raises(UsageError, match="raise -c"):
+    with pytest.raises(UsageError, match="raise n_ctx"):
         decoder.generate([5] * model_tgt.n_ctx, max_tokens=5)
-    with pytest.raises(UsageError, match="-n must be 'auto' or between 1 and 64"):
+    with pytest.raises(UsageError, match="n_draft must be 'auto' or between 1 and 64"):
         SpeculativeDecoder(model_tgt, PromptLookupDrafter(), 0)
 
 
@@ -306,10 +306,27 @@ def test_incompatible_draft_is_refused_before_generating(fixture_dir, pair_pertu
 
 
 def test_padded_vocabulary_is_compatible(fixture_dir, pair_perturbed):
+    """A draft with 16 unused tokens appended loads as the target's drafter, and both models
+    read and write text alike."""
+    from fixtures.helpers import detokenize
+
     draft = synthetic.make_incompatible_draft(fixture_dir, "padded")
     choice = ModelChoice(model=str(pair_perturbed[0]), draft=str(draft), n_ctx=128)
     loaded = load_plan(plan(choice), choice)
-    loaded.close()
+    try:
+        model_tgt, model_dft = loaded.model_tgt, loaded.model_dft
+        assert (loaded.plan.mode, model_tgt.path, model_dft.path) == ("draft-model", pair_perturbed[0], draft)
+        assert loaded.decoder.drafter.model_dft is model_dft
+        assert model_tgt.n_ctx == model_dft.n_ctx == 256  # -c 128, padded by llama.cpp to a multiple of 256
+        assert model_dft.n_vocab == model_tgt.n_vocab + 16
+        assert model_dft.token_text(model_tgt.n_vocab) == b"<unused0>"
+        for prompt in PROMPTS:
+            ids = model_tgt.tokenize(prompt)
+            assert ids[0] == model_tgt.vocab_info().bos and model_dft.tokenize(prompt) == ids
+            # The SPM tokenizer puts a space before the text; BOS renders empty.
+            assert detokenize(model_tgt.piece, ids) == detokenize(model_dft.piece, ids) == " " + prompt
+    finally:
+        loaded.close()
 
 
 def test_recurrent_target_is_refused(fixture_dir):
@@ -335,7 +352,7 @@ def test_greedy_with_repeat_penalty_is_exact_and_applies_the_penalty(perturbed):
 
 def test_streamed_text_is_the_detokenized_output(perturbed):
     """Step texts, joined, equal detokenizing all tokens at once (split characters included)."""
-    from specli.decoding.text import detokenize
+    from fixtures.helpers import detokenize
 
     model_tgt, model_dft = perturbed
     for prompt in PROMPTS:
@@ -346,3 +363,20 @@ def test_streamed_text_is_the_detokenized_output(perturbed):
         assert gen.text == detokenize(model_tgt.piece, gen.token_ids)
     byte_tokens = [t for t in range(model_tgt.n_vocab) if model_tgt.token_text(t).startswith(b"<0x")]
     assert byte_tokens  # the fixture vocabulary has byte fallback, so characters can be split
+
+
+def test_make_drafter_builds_every_mode_and_a_new_drafter_each_call():
+    from specli.decoding.drafters import MODES, make_drafter
+
+    model_dft = object()  # (drafters only keep it until they draft)
+    assert make_drafter("target-only") is None
+    assert isinstance(make_drafter("lookup"), PromptLookupDrafter)
+    assert make_drafter("lookup") is not make_drafter("lookup")
+    draft = make_drafter("draft-model", model_dft)
+    assert isinstance(draft, DraftModelDrafter) and draft.model_dft is model_dft
+    hybrid = make_drafter("hybrid", model_dft)
+    assert isinstance(hybrid, HybridDrafter) and hybrid.draft.model_dft is model_dft
+    assert {(d.name if d else "target-only") for d in (make_drafter(m, model_dft) for m in MODES)} == set(MODES)
+    for mode, model in (("draft-model", None), ("hybrid", None), ("ngram", model_dft)):
+        with pytest.raises(ValueError):
+            make_drafter(mode, model)

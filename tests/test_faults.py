@@ -132,12 +132,12 @@ def test_tiny_temperature_and_repeat_penalty_sample(tmp_path, pair_perturbed):
 # middle of its generation.
 FAIL_TOP_K_7 = textwrap.dedent("""
     from specli.decoding import engine
-    _verify = engine.SpeculativeDecoder._verify
+    verify = engine.SpeculativeDecoder.verify
     def _failing(self, *args):
         if self.sampling.top_k == 7:
             raise ZeroDivisionError("planted fault")
-        return _verify(self, *args)
-    engine.SpeculativeDecoder._verify = _failing
+        return verify(self, *args)
+    engine.SpeculativeDecoder.verify = _failing
 """)
 
 

@@ -10,8 +10,8 @@ import pytest
 from specli.models import fit, header
 
 from fixtures import synthetic
+from fixtures.helpers import context_for_kv, measure_kv_cache_bytes
 from specli.errors import ModelFileError, UsageError
-from specli.llama.model import measure_kv_cache_bytes
 from specli.models.registry import load_registry
 
 MIB = 1024 * 1024
@@ -144,7 +144,7 @@ def test_guide_example_from_registry_facts():
     """42 GB (70B Q4_K_M) + 5 GB (8B Q4_K_M) + KV 4 GB + 2 GB = 53 GB: the KV of both models
     is about 4 GB at a context of 8704 tokens (458,752 bytes per position, f16)."""
     big, small = registry_pair("llama-3.1-70b")
-    ctx = fit.context_for_kv([big, small], 4 * fit.GB)
+    ctx = context_for_kv([big, small], 4 * fit.GB)
     assert ctx == 8704
     est = fit.estimate(big, small, n_ctx=ctx)
     assert est.kv_target + est.kv_draft == 8704 * 458_752 == pytest.approx(4 * fit.GB, rel=0.01)

@@ -266,7 +266,8 @@ def test_reader_on_mutated_headers_gives_a_result_or_one_clear_error(base, tmp_p
 LOADER = textwrap.dedent("""
     import sys
     from specli.errors import SpecliError
-    from specli.llama.model import LlamaModel, init_backend
+    from specli.llama.model import LlamaModel
+    from specli.llama.native import init_backend
     init_backend()
     for path in sys.argv[1:]:
         print("loading", path, flush=True)

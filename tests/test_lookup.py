@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from specli.decoding.drafters import PromptLookupDrafter, _continue_periodically, _match_length, _resync
-from specli.decoding.policy.adaptive import DraftJudge
+from specli.decoding.policy import DraftJudge
 
 
 class RecordingJudge(DraftJudge):

@@ -95,7 +95,7 @@ def test_fit_suggests_a_smaller_context():
 
 @pytest.mark.parametrize("args, fragment", [
     (("--kv-type", "q2"), "--kv-type"),
-    (("-c", "4"), "context size"),
+    (("-c", "4"), "Invalid value for '-c' / '--ctx'"),
     (("--lookup", "-d", "x.gguf"), "not both"),
     (("-m", "no-such-model"), "unknown model"),
     (("-m", "/nonexistent/m.gguf"), "not found"),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from specli.decoding.policy import store as policy_store
-from specli.decoding.policy.adaptive import LONG_MATCH, SEED_CHECKS, AdaptivePolicy
+from specli.decoding.policy.adaptive import LONG_MATCH, SEED_CHECKS, AdaptivePolicy, StepReport
 from specli.decoding.policy.store import Rejected
 
 NOW = 1_800_000_000.0
@@ -50,8 +50,8 @@ def run(saved: policy_store.Saved | None, cost, accept: float, steps: int = 160,
             n_accepted += 1
         pass_s = cost(k + 1)
         cpu_s = None if utilization is None else utilization * pass_s
-        policy.observe("lookup" if k else None, k, n_accepted, None, 1e-5 * k, k + 1, pass_s, context_len=100 + tokens,
-                       gap_s=1e-4, cpu_s=cpu_s)  # fmt: skip
+        policy.observe(StepReport("lookup" if k else None, k, n_accepted, None, 1e-5 * k, k + 1, pass_s, context_len=100 + tokens,
+                       gap_s=1e-4, cpu_s=cpu_s))  # fmt: skip
         lengths.append(k)
         tokens += n_accepted + 1
         seconds += 1e-5 * k + pass_s + 1e-4
@@ -161,7 +161,7 @@ def test_contended_passes_are_used_by_the_run_but_never_saved():
         busy_now = 10 <= i < 30
         k = policy.limit("lookup", 32, 100)
         cost, u = (busy, 1.0) if busy_now else (quiet, 2.0)
-        policy.observe("lookup" if k else None, k, k, None, 0.0, k + 1, cost(k + 1), context_len=100, cpu_s=u * cost(k + 1))
+        policy.observe(StepReport("lookup" if k else None, k, k, None, 0.0, k + 1, cost(k + 1), context_len=100, cpu_s=u * cost(k + 1)))
     saved = policy.saved(NOW)
     for n, c in saved.passes.items():
         assert c.seconds <= quiet(n) * 1.5, (n, c)
@@ -170,8 +170,8 @@ def test_contended_passes_are_used_by_the_run_but_never_saved():
 def test_a_wide_pass_is_never_charged_more_than_its_tokens_in_one_token_passes():
     policy = AdaptivePolicy(32)
     for _ in range(3):
-        policy.observe(None, 0, 0, None, 0.0, 1, 0.01)
-    policy.observe("lookup", 21, 21, None, 0.0, 22, 4.2)  # a 4.2 s stall
+        policy.observe(StepReport(None, 0, 0, None, 0.0, 1, 0.01))
+    policy.observe(StepReport("lookup", 21, 21, None, 0.0, 22, 4.2))  # a 4.2 s stall
     assert policy.pass_cost.table(22)[22] <= policy_store.PLAUSIBLE * 22 * 0.01 + 1e-9
 
 
@@ -274,11 +274,11 @@ def test_only_a_draft_models_acceptance_seeds_the_next_run():
     # model's is partly the pair's: it comes back as a weak prior.
     policy = AdaptivePolicy(32)
     for _ in range(3):
-        policy.observe(None, 0, 0, None, 0.0, 1, 0.01)
+        policy.observe(StepReport(None, 0, 0, None, 0.0, 1, 0.01))
     for _ in range(50):
         for source, token_s in (("lookup", None), ("draft-model", 0.001)):
             policy.limit(source, 32)
-            policy.observe(source, 4, 0, None, 0.004, 5, 0.03, token_s, token_s)
+            policy.observe(StepReport(source, 4, 0, None, 0.004, 5, 0.03, token_s, token_s))
     saved = policy_store.parse(policy_store.dumps(policy.saved(NOW)), now=NOW)
     assert saved.sources["lookup"].acceptance and not saved.sources["lookup"].runs_model
     assert saved.sources["draft-model"].runs_model

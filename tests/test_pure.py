@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fixtures.helpers import detokenize
 from specli.llama.compat import check_compatible
 from specli.decoding.drafters import PromptLookupDrafter, _softmax_at
 from specli.errors import IncompatibleDraftError
 from specli.llama.model import VocabInfo, common_prefix_len
 from specli.decoding.stats import Stats
-from specli.decoding.text import TextStream, detokenize
+from specli.decoding.text import TextStream
 from specli.decoding.verify import verify_greedy
 
 
@@ -199,8 +200,24 @@ def texts(overrides: dict[int, bytes] | None = None):
     return lambda token: overrides.get(token, f"tok{token}".encode())
 
 
+def recorded(text_of, seen: set[int]):
+    """text_of, noting each token id it is asked about in `seen`."""
+    def text(token: int) -> bytes:
+        seen.add(token)
+        return text_of(token)
+    return text
+
+
 def test_identical_vocabularies_are_compatible():
-    check_compatible(vocab(), vocab(n_tokens=300 + 128), texts(), texts())
+    seen_tgt, seen_dft = set(), set()
+    check_compatible(vocab(), vocab(), recorded(texts(), seen_tgt), recorded(texts(), seen_dft))
+    assert seen_tgt == seen_dft == set(range(5, 300))  # every token text from id 5 on was compared
+
+
+def test_vocabularies_differing_in_size_by_at_most_128_are_compatible():
+    seen = set()
+    check_compatible(vocab(), vocab(n_tokens=300 + 128), texts(), recorded(texts(), seen))
+    assert seen == set(range(5, 300))  # the ids both have, and only those
 
 
 @pytest.mark.parametrize(

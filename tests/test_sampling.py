@@ -454,25 +454,25 @@ def test_full_size_vocabulary():
 
 # --- parameters --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "change, option",
+    "change, field",
     [
-        (dict(temperature=-0.1), "--temperature"),
-        (dict(temperature=float("nan")), "--temperature"),
-        (dict(top_k=-1), "--top-k"),
-        (dict(top_p=0.0), "--top-p"),
-        (dict(top_p=1.5), "--top-p"),
-        (dict(min_p=1.0), "--min-p"),
-        (dict(min_p=-0.1), "--min-p"),
-        (dict(repeat_penalty=0.0), "--repeat-penalty"),
-        (dict(repeat_last_n=-1), "--repeat-last-n"),
-        (dict(seed=-3), "--seed"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(min_p=1.0), "min_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(repeat_penalty=0.0), "repeat_penalty"),
+        (dict(repeat_last_n=-1), "repeat_last_n"),
+        (dict(seed=-3), "seed"),
     ],
 )
-def test_validate_names_the_option_and_the_range(change, option):
+def test_validate_names_the_field_and_the_range(change, field):
     with pytest.raises(UsageError) as info:
         SamplingParams(**change).validate()
     message = str(info.value)
-    assert message.startswith(option + " must be") and "\n" not in message
+    assert message.startswith(field + " must be") and "\n" not in message
     assert "got" in message
 
 

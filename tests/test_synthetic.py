@@ -1,4 +1,4 @@
-"""Tests of the synthetic GGUF fixtures (specli.synthetic), read back with gguf's GGUFReader.
+"""Tests of the synthetic GGUF fixtures (tests/fixtures/synthetic.py), read back with gguf's GGUFReader.
 
 Loading the files in llama.cpp is tested through the engine; here only the gguf package and the
 module's numpy reference forward pass are used.

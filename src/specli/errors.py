@@ -1,13 +1,16 @@
 """Errors a user can act on.
 
 Every failure that reaches the CLI is a SpecliError: one line naming the problem and the fix,
-and the exit code the CLI returns (2 = bad usage or input, 1 = runtime failure).
+and the exit code the CLI returns (2 = bad usage or input, 1 = runtime failure; 130 is Ctrl-C).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # Ctrl-C (the shell's 128 + SIGINT)
 
 
 class SpecliError(Exception):
@@ -25,6 +28,19 @@ class UsageError(SpecliError):
     """Bad options or input: the user must change what they typed."""
 
     exit_code = EXIT_USAGE
+
+
+class SettingError(UsageError):
+    """A setting the core refuses, named by its field (top_k, n_ctx): each front end names it
+    its own way (the CLI by its option, --top-k) with `worded`."""
+
+    def __init__(self, setting: str, message: Callable[[str], str]):
+        super().__init__(message(setting))
+        self.setting = setting
+        self._message = message  # the message, given the name to call the setting by
+
+    def worded(self, name: str) -> str:
+        return self._message(name)
 
 
 class ModelFileError(UsageError):

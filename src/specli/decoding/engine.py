@@ -11,6 +11,11 @@ d1..dj and t*, the cache is trimmed to the context before t*, and t* becomes `la
 `generate()` returns a `Generation`: iterate it to run the loop step by step (each step is an
 event for the UI); its fields always describe what has been produced so far, so an interrupted
 run keeps its text and stats.
+
+A step per sequence is `SequenceStep`'s: `plan()` drafts before the target pass, `commit()`
+verifies and books that sequence's rows after it. Both loops use it, `SpeculativeDecoder` with
+a pass over one sequence and parallel.py's `ParallelRunner` with one over many; only how the
+pass runs is theirs.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from specli.decoding.drafters import Drafter, Proposal
-from specli.errors import UsageError
+from specli.errors import SettingError, UsageError
+from specli.llama.context import SequenceView
 from specli.llama.model import LlamaModel, common_prefix_len
-from specli.decoding.policy.adaptive import FIXED, AdaptivePolicy, DraftJudge
+from specli.decoding.policy import FIXED, AdaptivePolicy, DraftJudge, StepReport
 from specli.decoding.sampling import GREEDY, SamplingParams, make_rng, penalized_row, penalty_history, probabilities, verify_sampled
 from specli.decoding.stats import Stats
 from specli.decoding.text import TextStream
@@ -97,7 +103,7 @@ class Generation:
     def interrupt(self) -> None:
         """Mark as stopped by the user (keeps everything produced so far)."""
         if self.stop_reason is None:
-            self._finish(STOP_INTERRUPTED)
+            self.finish(STOP_INTERRUPTED)
 
     def record(self, tokens: list[int], n_accepted: int, n_drafted: int, is_eog, source: str | None = None) -> Step:
         """Book one verified pass: `tokens` = the verdict's (accepted drafts, then the target's
@@ -115,10 +121,11 @@ class Generation:
         self.text += text_drafted + text_own
         self.stats.record_step(n_drafted, n_from_draft, len(emitted), source=source if n_drafted else None)
         if stop is not None:
-            self._finish(stop)
+            self.finish(stop)
         return Step(emitted, text_drafted, text_own, n_drafted=n_drafted, n_accepted=n_from_draft)
 
-    def _finish(self, reason: str) -> None:
+    def finish(self, reason: str) -> None:
+        """Stop with `reason` (one of the STOP_* values); flushes the text of a pending character."""
         self.stop_reason = reason
         if self._stream is not None:
             self.text += self._stream.flush()
@@ -133,7 +140,7 @@ class SpeculativeDecoder:
     drafts that equal the target's argmax; otherwise drafts go through rejection sampling, which
     keeps the output distributed exactly as the target's own sampling.
 
-    `n_draft` is a fixed number of drafts per step, or "auto": the policy (policy.py) chooses
+    `n_draft` is a fixed number of drafts per step, or "auto": the policy (decoding/policy) chooses
     each step's length, up to AUTO_MAX_DRAFT, from measured costs and acceptance. Either way
     only the speed changes, never the output.
     """
@@ -159,8 +166,8 @@ class SpeculativeDecoder:
             self.judge = self.policy
         elif isinstance(n_draft, int) and 1 <= n_draft <= MAX_DRAFT:
             self.n_draft = n_draft
-        else:
-            raise UsageError(f"-n must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
+        else:  # (the CLI parses -n first; library callers, tests and benchmarks, do not)
+            raise SettingError("n_draft", lambda name: f"{name} must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
 
     @property
     def adaptive(self) -> bool:
@@ -173,89 +180,50 @@ class SpeculativeDecoder:
 
     def generate(self, prompt_ids: Sequence[int], *, max_tokens: int) -> Generation:
         """Start generating after `prompt_ids` (which must include BOS if the model wants it)."""
+        seq = self.sequence(prompt_ids, max_tokens=max_tokens, cache=self.model_tgt, max_pass=self.model_tgt.n_batch)
+        seq.gen._steps = self._steps(seq)
+        return seq.gen
+
+    def sequence(
+        self, prompt_ids: Sequence[int], *, max_tokens: int, cache: LlamaModel | SequenceView, max_pass: int
+    ) -> "SequenceStep":
+        """A generation after `prompt_ids` for a loop that runs the target's passes itself.
+
+        `cache` is the target's cache for this sequence: `model_tgt`, or one sequence of a
+        MultiSequenceContext (its SequenceView); `max_pass` the most tokens one pass may evaluate
+        for it. Checks the prompt and draws the seed now; nothing is evaluated before begin().
+        A max_tokens below 1 (the CLI and batch items refuse it) ends the generation with no tokens.
+        """
         prompt = list(prompt_ids)
+        # Kept although `run`, `chat` and `batch` check their prompts: library callers (tests,
+        # benchmarks) reach this directly, and the prompt's length is only checked here for `run`.
         if not prompt:
             raise UsageError("the prompt is empty; give some text to continue")
-        if max_tokens < 1:
-            raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
-        n_ctx = self.model_tgt.n_ctx
+        n_ctx = cache.n_ctx
         if len(prompt) >= n_ctx:
-            raise UsageError(
-                f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}; raise -c above {len(prompt)}"
+            raise SettingError(
+                "n_ctx", lambda name: f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}; raise {name} above {len(prompt)} or shorten the prompt"
             )
         seed = None
         if not self.sampling.greedy:
             # A fresh seed is drawn when none is given, and reported, so any run can be replayed.
             seed = self.sampling.seed if self.sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
         gen = Generation(prompt_ids=prompt, seed=seed, _stream=TextStream(self.model_tgt.piece))
-        gen._steps = self._steps(gen, max_tokens)
-        return gen
+        return SequenceStep(self, gen, cache, max_tokens, max_pass)
 
-    def _steps(self, gen: Generation, max_tokens: int) -> Iterator[Step]:
-        model_tgt, drafter, stats = self.model_tgt, self.drafter, gen.stats
-        context = list(gen.prompt_ids)  # prompt + output; context[-1] is `last`
-        n_ctx = model_tgt.n_ctx
+    def _steps(self, seq: "SequenceStep") -> Iterator[Step]:
+        """The loop on the target alone: each pass evaluates this one sequence."""
+        model_tgt = self.model_tgt
+        seq.begin()
+        while not seq.ended():
+            tokens = seq.plan()
+            t_pass = time.perf_counter()
+            cpu_pass = time.process_time()  # (CPU use per second of the pass tells contention)
+            rows = model_tgt.eval(tokens, logits="all")
+            cpu_s = time.process_time() - cpu_pass
+            yield seq.commit(rows, time.perf_counter() - t_pass, cpu_s=cpu_s)
 
-        t0 = time.perf_counter()
-        reused = common_prefix_len(model_tgt.cached, context[:-1])
-        model_tgt.truncate(reused)
-        model_tgt.eval(context[reused:-1], logits="none")
-        rng = make_rng(gen.seed)
-        if drafter is not None:
-            drafter.begin(context, self.sampling, rng)
-        stats.prompt_tokens = len(context)
-        stats.prompt_reused = reused
-        stats.prompt_s = time.perf_counter() - t0
-
-        t_gen = time.perf_counter()
-        t_previous_pass = None  # when the previous step's pass and verification ended
-        while True:
-            remaining = max_tokens - len(gen.token_ids)
-            room = n_ctx - len(context)  # positions left after the context
-            if remaining <= 0:
-                gen._finish(STOP_MAX_TOKENS)
-                return
-            if room <= 0:
-                gen._finish(STOP_CONTEXT_FULL)
-                return
-            # A pass emits up to k+1 tokens; keep them within the budget and the context, and
-            # the pass [last, d1..dk] within one llama.cpp batch (a small -c makes it small).
-            k = min(self.n_draft, remaining - 1, room - 1, model_tgt.n_batch - 1)
-
-            t_draft = time.perf_counter()
-            proposal = drafter.propose(context, k, self.judge) if (drafter is not None and k > 0) else Proposal([])
-            draft = proposal.tokens
-            assert len(draft) <= k
-            t_verify = time.perf_counter()
-            cpu_verify = time.process_time()  # (CPU use per second of the pass tells contention)
-            assert len(model_tgt.cached) == len(context) - 1
-            logits_tgt = model_tgt.eval([context[-1], *draft], logits="all")
-            cpu_s = time.process_time() - cpu_verify
-            verdict = self._verify(logits_tgt, proposal, context, rng)
-            # Keep the cache = context before the new `last` (the target's own token).
-            model_tgt.truncate(len(context) + verdict.n_accepted)
-            if drafter is not None and draft:
-                drafter.update(len(draft), verdict.n_accepted)
-            t_done = time.perf_counter()
-            if self.adaptive:
-                self.judge.observe(proposal.source, len(draft), verdict.n_accepted, proposal.confidences,
-                                   t_verify - t_draft, len(draft) + 1, t_done - t_verify, proposal.token_s,
-                                   proposal.first_s, len(context),
-                                   gap_s=None if t_previous_pass is None else t_draft - t_previous_pass, cpu_s=cpu_s)  # fmt: skip
-            # (not after the first step: what follows it includes one-off work, such as the
-            # live status's first drawing, 1 ms on a terminal)
-            t_previous_pass = t_done if gen.token_ids else None
-
-            step = gen.record(verdict.tokens, verdict.n_accepted, len(draft), model_tgt.is_eog, proposal.source)
-            context.extend(verdict.tokens)
-            stats.draft_s += t_verify - t_draft
-            stats.verify_s += t_done - t_verify
-            stats.generation_s = time.perf_counter() - t_gen
-            yield step
-            if gen.stop_reason is not None:
-                return
-
-    def _verify(self, logits_tgt: np.ndarray, proposal: Proposal, context: list[int], rng) -> Verdict:
+    def verify(self, logits_tgt: np.ndarray, proposal: Proposal, context: list[int], rng) -> Verdict:
         """Greedy: exact match against the argmax. Sampling: rejection sampling against p."""
         if self.sampling.greedy:
             if penalty_history(self.sampling, context):  # the penalty changes the argmax
@@ -264,6 +232,119 @@ class SpeculativeDecoder:
             return verify_greedy(logits_tgt, proposal.tokens)
         p_rows = TargetRows(logits_tgt, self.sampling, context, proposal.tokens)
         return verify_sampled(p_rows, proposal.q_rows, proposal.tokens, rng)
+
+
+class SequenceStep:
+    """One generation between target passes, and its step around each pass: `plan()` before it
+    (the draft, and the tokens the pass evaluates for this sequence), `commit()` after it (the
+    verdict on this sequence's rows, the cache trimmed, the Step booked on the Generation, the
+    policy told). The loop that runs the passes calls, per sequence:
+
+        seq.begin()                     # the prompt into the cache, the drafter started
+        while not seq.ended():          # max_tokens, a full context, an end-of-generation token
+            tokens = seq.plan()         # [last, d1..dk]
+            rows = <the target's pass over tokens, logits for every position>
+            step = seq.commit(rows, pass_s, cpu_s=..., share=...)
+
+    Between steps `cache` holds the context but its newest token `last` (module docstring).
+    """
+
+    def __init__(
+        self, decoder: SpeculativeDecoder, gen: Generation, cache: LlamaModel | SequenceView, max_tokens: int, max_pass: int
+    ):
+        self.decoder = decoder
+        self.gen = gen
+        self.cache = cache
+        self.max_tokens = max_tokens
+        self.max_pass = max_pass
+        self.context = list(gen.prompt_ids)  # prompt + output; context[-1] is `last`
+        self.rng: np.random.Generator | None = None
+        self._proposal: Proposal | None = None
+        self._draft_s = 0.0  # what the pending proposal took
+        self._gap_s: float | None = None  # from the previous step's end to the pending one's start
+        self._t_previous: float | None = None  # when the previous step's pass and verification ended
+        self._t_gen = 0.0
+
+    def begin(self) -> None:
+        """Put the prompt but `last` into the cache (keeping what it already holds of it, such as
+        a chat's history) and start the drafter."""
+        gen, cache, context = self.gen, self.cache, self.context
+        t0 = time.perf_counter()
+        reused = common_prefix_len(cache.cached, context[:-1])
+        cache.truncate(reused)
+        cache.eval(context[reused:-1], logits="none")
+        self.rng = make_rng(gen.seed)
+        if self.decoder.drafter is not None:
+            self.decoder.drafter.begin(context, self.decoder.sampling, self.rng)
+        gen.stats.prompt_tokens = len(context)
+        gen.stats.prompt_reused = reused
+        gen.stats.prompt_s = time.perf_counter() - t0
+        self._t_gen = time.perf_counter()
+
+    def ended(self) -> bool:
+        """Whether the generation is over; before a pass, ends it when it has max_tokens or
+        fills the context."""
+        gen = self.gen
+        if gen.stop_reason is None:
+            if len(gen.token_ids) >= self.max_tokens:
+                gen.finish(STOP_MAX_TOKENS)
+            elif len(self.context) >= self.cache.n_ctx:
+                gen.finish(STOP_CONTEXT_FULL)
+        return gen.stop_reason is not None
+
+    def plan(self) -> list[int]:
+        """Draft for this step (the drafter asks the decoder's judge); the tokens the target's
+        pass must evaluate for this sequence: [last, *draft]."""
+        decoder = self.decoder
+        remaining = self.max_tokens - len(self.gen.token_ids)
+        room = self.cache.n_ctx - len(self.context)  # positions left after the context
+        # A pass emits up to k+1 tokens; keep them within the budget and the context, and the
+        # pass [last, d1..dk] within max_pass (one llama.cpp batch: a small -c makes it small).
+        k = min(decoder.n_draft, remaining - 1, room - 1, self.max_pass - 1)
+        t_draft = time.perf_counter()
+        self._gap_s = None if self._t_previous is None else t_draft - self._t_previous
+        drafter = decoder.drafter
+        proposal = drafter.propose(self.context, k, decoder.judge) if (drafter is not None and k > 0) else Proposal([])
+        self._draft_s = time.perf_counter() - t_draft
+        assert len(proposal.tokens) <= k
+        assert len(self.cache.cached) == len(self.context) - 1
+        self._proposal = proposal
+        return [self.context[-1], *proposal.tokens]
+
+    def commit(self, rows: np.ndarray, pass_s: float, *, cpu_s: float | None = None, share: float = 1.0) -> Step:
+        """Book the pass over plan()'s tokens: `rows` are the target's logits for them, pass_s
+        the pass's wall seconds, cpu_s the CPU seconds the process used during it (None: not
+        measured), share this sequence's part of a pass shared with others (its tokens / all the
+        pass's tokens), which the policy is charged. Returns the Step event."""
+        t_commit = time.perf_counter()
+        decoder, gen, context, proposal = self.decoder, self.gen, self.context, self._proposal
+        assert proposal is not None, "commit() follows plan()"
+        self._proposal = None
+        draft = proposal.tokens
+        verdict = decoder.verify(rows, proposal, context, self.rng)
+        # Keep the cache = context before the new `last` (the target's own token).
+        self.cache.truncate(len(context) + verdict.n_accepted)
+        if decoder.drafter is not None and draft:
+            decoder.drafter.update(len(draft), verdict.n_accepted)
+        t_done = time.perf_counter()
+        verify_s = t_done - t_commit  # this sequence's verification, after the pass
+        if decoder.adaptive:
+            decoder.judge.observe(StepReport(
+                source=proposal.source, n_drafted=len(draft), n_accepted=verdict.n_accepted,
+                confidences=proposal.confidences, draft_s=self._draft_s, pass_tokens=len(draft) + 1,
+                pass_s=pass_s * share + verify_s, token_s=proposal.token_s, first_s=proposal.first_s,
+                context_len=len(context), gap_s=self._gap_s, cpu_s=None if cpu_s is None else cpu_s * share,
+            ))  # fmt: skip
+        # (not after the first step: what follows it includes one-off work, such as the
+        # live status's first drawing, 1 ms on a terminal)
+        self._t_previous = t_done if gen.token_ids else None
+
+        step = gen.record(verdict.tokens, verdict.n_accepted, len(draft), decoder.model_tgt.is_eog, proposal.source)
+        context.extend(verdict.tokens)
+        gen.stats.draft_s += self._draft_s
+        gen.stats.verify_s += pass_s + verify_s  # (a shared pass: its whole wall time)
+        gen.stats.generation_s = time.perf_counter() - self._t_gen
+        return step
 
 
 class TargetRows:

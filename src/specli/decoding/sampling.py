@@ -18,12 +18,12 @@ same thing as sampling with llama.cpp.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import numpy as np
 
-from specli.errors import UsageError
+from specli.errors import SettingError
 from specli.decoding.verify import Verdict
 
 # Full-vocabulary top-p first tries the most probable few candidates (llama.cpp's adaptive
@@ -61,32 +61,40 @@ class SamplingParams:
         return self.temperature <= 0
 
     def validate(self) -> "SamplingParams":
-        """Raise UsageError naming the first out-of-range option (as the CLI spells it); else self.
+        """Raise SettingError naming the first out-of-range field (top_k); else self.
 
         The `not (a <= x <= b)` form also rejects NaN.
         """
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            _bad("--temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
+            _bad("temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
         if not self.top_k >= 0:
-            _bad("--top-k", "an integer >= 0 (0 = off)", self.top_k)
+            _bad("top_k", "an integer >= 0 (0 = off)", self.top_k)
         if not (0 < self.top_p <= 1):
-            _bad("--top-p", "in (0, 1] (1 = off)", self.top_p)
+            _bad("top_p", "in (0, 1] (1 = off)", self.top_p)
         if not (0 <= self.min_p < 1):
-            _bad("--min-p", "in [0, 1) (0 = off)", self.min_p)
+            _bad("min_p", "in [0, 1) (0 = off)", self.min_p)
         if not (self.repeat_penalty > 0 and math.isfinite(self.repeat_penalty)):
-            _bad("--repeat-penalty", "a finite number > 0 (1 = off)", self.repeat_penalty)
+            _bad("repeat_penalty", "a finite number > 0 (1 = off)", self.repeat_penalty)
         if not self.repeat_last_n >= 0:
-            _bad("--repeat-last-n", "an integer >= 0 (0 = off)", self.repeat_last_n)
+            _bad("repeat_last_n", "an integer >= 0 (0 = off)", self.repeat_last_n)
         if self.seed is not None and not self.seed >= 0:
-            _bad("--seed", "an integer >= 0", self.seed)
+            _bad("seed", "an integer >= 0", self.seed)
         return self
 
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _bad(option: str, valid: str, value: object) -> None:
-    raise UsageError(f"{option} must be {valid}, got {value}")
+def sampling_json(sampling: SamplingParams) -> dict:
+    """The sampling settings as run (greedy runs report temperature 0 and nothing random)."""
+    fields = asdict(sampling)
+    fields.pop("seed")
+    fields["greedy"] = sampling.greedy
+    return fields
+
+
+def _bad(setting: str, valid: str, value: object) -> None:
+    raise SettingError(setting, lambda name: f"{name} must be {valid}, got {value}")
 
 
 def penalty_history(params: SamplingParams, context: Sequence[int], extra: Sequence[int] = ()) -> list[int]:

@@ -25,9 +25,3 @@ class TextStream:
     def flush(self) -> str:
         """Whatever is held back, with an invalid tail shown as U+FFFD; ends the stream."""
         return self._decoder.decode(b"", final=True)
-
-
-def detokenize(piece: Callable[[int], bytes], tokens: Iterable[int]) -> str:
-    """All text of `tokens` at once (same rules as TextStream)."""
-    stream = TextStream(piece)
-    return stream.feed(tokens) + stream.flush()

@@ -1,1 +1,2 @@
-"""The only package that talks to llama_cpp: models, contexts, chat templates, devices, draft/target compatibility."""
+"""The only package that talks to llama_cpp: model.py (a model and its context), context.py (several
+sequences), templates.py (chat templates), native.py (backend, log, Ctrl-C), devices.py, compat.py."""

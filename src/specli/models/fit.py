@@ -1,10 +1,10 @@
 """`specli fit`: will a target, its draft and both KV caches fit in this machine's memory?
 
 Everything here is arithmetic on facts that need no model loading: GGUF header metadata (read
-by the small reader below, so the `gguf` package stays a test dependency) or the facts stored in
+by header.py's small reader, so the `gguf` package stays a test dependency) or the facts stored in
 models.toml, the file sizes, and the memory of the device llama.cpp would use.
 
-The KV cache follows llama.cpp 0.3.36 (vendor/llama.cpp/src):
+The KV cache follows llama.cpp as llama-cpp-python 0.3.36 bundles it (its src/ files named below):
 - the context is padded to a multiple of 256 (llama-context.cpp: GGML_PAD(n_ctx, 256));
 - every attention layer holds n_ctx cells of n_head_kv(layer) x (key_length + value_length)
   elements; sliding-window layers too, because the default context parameter swa_full=true
@@ -45,7 +45,7 @@ BITS_PER_WEIGHT = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q6_K": 
                    "Q3_K_L": 4.27, "Q3_K_M": 3.91, "Q3_K_S": 3.5, "Q2_K": 3.35}
 # Smaller quantizations worth suggesting, heaviest first.
 QUANT_LADDER = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")
-_QUANT_RE = re.compile(r"(?<![A-Za-z0-9])(F32|F16|BF16|Q8_0|Q6_K|Q5_K_[MS]|Q4_K_[MS]|Q4_0|Q3_K_[LMS]|Q2_K)(?![A-Za-z0-9])", re.I)
+QUANT_RE = re.compile(r"(?<![A-Za-z0-9])(F32|F16|BF16|Q8_0|Q6_K|Q5_K_[MS]|Q4_K_[MS]|Q4_0|Q3_K_[LMS]|Q2_K)(?![A-Za-z0-9])", re.I)
 
 RECURRENT_ARCHS = ("mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7")
 
@@ -181,7 +181,7 @@ def split_file_bytes(path: Path, meta: dict[str, Any]) -> int:
 
 def quant_from_name(name: str) -> str | None:
     """The quantization named in a file name ("...-Q4_K_M.gguf" -> "Q4_K_M"), or None."""
-    match = _QUANT_RE.search(name)
+    match = QUANT_RE.search(name)
     return match.group(1).upper() if match else None
 
 
@@ -268,12 +268,6 @@ def estimate(target: ModelShape, draft: ModelShape | None, *, n_ctx: int, kv_typ
     )
 
 
-def context_for_kv(models: list[ModelShape], kv_bytes: int, kv_type: str = "f16") -> int:
-    """The largest context (a multiple of 256) whose KV caches of all `models` stay <= kv_bytes."""
-    per_cell = sum(m.kv_bytes_per_cell(kv_type) for m in models)
-    return (kv_bytes // per_cell) // CTX_PAD * CTX_PAD if per_cell else 0
-
-
 # --- the machine's memory ----------------------------------------------------------------------
 
 
@@ -334,7 +328,7 @@ def detect_memory(device: str | None = None) -> Memory:
             raise UsageError("--device: Apple Silicon has one unified memory; drop --device")
         return Memory("unified", "Apple Silicon unified memory", ram_free, ram_total, ram_free, ram_total, "psutil (unified memory)")
 
-    from specli.llama.model import backend_devices
+    from specli.llama.devices import backend_devices
 
     gpus = [(f"{d.name} ({d.description})", d.free, d.total) for d in backend_devices() if d.kind in ("gpu", "igpu")]
     source = "llama.cpp device query"

@@ -1,10 +1,10 @@
 """The model registry: names for target/draft pairs, read from models.toml.
 
-models.toml sits at the repository root and is packaged into the wheel as specli/models.toml
-(see the schema in its header). A user's own models.toml extends it (user_registry_path): its
-entries add to the shipped ones or replace those of the same name, and it may change `default`.
+The shipped models.toml is package data of specli.models (see the schema in its header). A
+user's own models.toml extends it (user_registry_path): its entries add to the shipped ones or
+replace those of the same name, and it may change `default`.
 This module loads and checks both, and finds the local file of a model WITHOUT any network
-access: downloading is `specli pull NAME` (cli_models.py) or the user's own `hf download ...`.
+access: downloading is `specli pull NAME` (cli/models.py) or the user's own `hf download ...`.
 Every problem is a RegistryError with a one-line message naming the file, line and key.
 """
 
@@ -40,7 +40,8 @@ DEMO_EXTRA_HINT = (
     "or from a checkout: pip install '.[demo]'"
 )
 
-# Optional integer facts a source may carry, for the planned `specli fit`; each must be >= 1.
+# Optional integer facts a source may carry, used by `specli fit` while the file is not
+# downloaded (it reads a local file's header instead); each must be >= 1.
 FACT_KEYS = ("size_bytes", "n_layer", "n_head_kv", "head_dim", "n_ctx_train", "n_vocab")
 _SOURCE_KEYS = frozenset(("package", "hf_repo", "hf_file", *FACT_KEYS))
 _ENTRY_KEYS = frozenset(("description", "target", "draft", "acceptance", "n_speculative"))
@@ -851,7 +852,7 @@ def source_status(source: ModelSource) -> SourceStatus:
     source counts when every part is in the Hugging Face cache.
     """
     if source.package:
-        status = _package_status(source.package)
+        status = package_status(source.package)
         if status.downloaded or not (source.hf_repo and source.hf_files):
             return status
     if source.hf_repo and source.hf_files:
@@ -859,7 +860,7 @@ def source_status(source: ModelSource) -> SourceStatus:
     return SourceStatus(False, None, "no source")
 
 
-def _package_status(module_name: str) -> SourceStatus:
+def package_status(module_name: str) -> SourceStatus:
     """Importable module and an existing assembled file of the right size (cheap: no hash)."""
     import importlib.util
 

@@ -25,6 +25,7 @@ from typing import IO, Union
 from specli.errors import UsageError
 from specli.files import read_limited, strip_bom, write_atomically
 from specli.decoding.sampling import SamplingParams
+from specli.errors import SettingError
 from specli.decoding.stats import Stats
 
 # Per-item fields that override the command line, with the JSON types they accept.
@@ -170,17 +171,10 @@ def _parse_line(number: int, raw: bytes, fmt: str, sampling: SamplingParams, max
         return LineError(number, item_id, f"max_tokens must be an integer >= 1, got {json.dumps(item_max_tokens)}")
     try:
         item_sampling = dataclasses.replace(sampling, **overrides).validate()
-    except UsageError as err:
-        return LineError(number, item_id, _field_names(str(err)))
+    except SettingError as err:  # it names the field (top_k), as an item spells it
+        return LineError(number, item_id, str(err))
     echo = {"metadata": obj["metadata"]} if "metadata" in obj else {}
     return Item(number, item_id, prompt, item_max_tokens, item_sampling, echo)
-
-
-def _field_names(message: str) -> str:
-    """A sampling message names command-line options (--top-k); an item has fields (top_k)."""
-    for name in SAMPLING_FIELDS:
-        message = message.replace("--" + name.replace("_", "-"), name)
-    return message
 
 
 def _type_problem(value: object, kind: type, *, allow_null: bool = False) -> str | None:
@@ -197,13 +191,6 @@ def _type_problem(value: object, kind: type, *, allow_null: bool = False) -> str
 def _json_type(value: object) -> str:
     names = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
     return names.get(type(value), "null" if value is None else type(value).__name__)
-
-
-def prompt_too_long(n_prompt: int, n_ctx: int) -> str | None:
-    """The error for a prompt that leaves no room to generate (as `run` refuses it), or None."""
-    if n_prompt >= n_ctx:
-        return f"the prompt is {n_prompt} tokens but the context holds {n_ctx}; raise -c above {n_prompt} or shorten the prompt"
-    return None
 
 
 # --- output -----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The pure parts of `specli bench`: prompts, the run schedule, aggregation and the verdicts.
 
-Nothing here loads a model or times anything; `cli_bench.py` runs the schedule and renders.
+Nothing here loads a model or times anything; cli/bench.py runs the schedule and renders.
 Vocabulary:
 - a *configuration* is a draft length N; N = 0 stands for target-only decoding (the baseline);
 - a *record* is one measured run: one prompt, one configuration, one round (a dict of numbers);

@@ -19,8 +19,10 @@ from typing import Callable, Optional, TextIO
 from specli.decoding.engine import AUTO, MAX_DRAFT, parse_draft_length
 from specli.errors import UsageError
 from specli.files import input_limit_error, max_input_bytes, replace_text
-from specli.llama.model import LlamaModel, apply_chat_template, builtin_chat_templates
+from specli.llama.model import LlamaModel
+from specli.llama.templates import apply_chat_template, builtin_chat_templates
 from specli.session.loading import Loaded
+from specli.decoding.sampling import sampling_json
 from specli.decoding.stats import Stats
 
 PLAIN = "plain"  # our fallback format for models without a usable template
@@ -78,11 +80,11 @@ def render_plain(pairs: list[tuple[str, str]], *, add_assistant: bool) -> str:
 def choose_formatter(model: LlamaModel, template_name: Optional[str]) -> tuple[Formatter, Optional[str]]:
     """The formatter for this session and a one-line notice (or None).
 
-    --template NAME (a llama.cpp built-in name) wins; else the GGUF's own template when llama.cpp
-    recognises it; else plain turns. Raises UsageError for an unknown NAME.
+    --template NAME (a llama.cpp built-in name, already checked with check_template_name before
+    the models loaded) wins; else the GGUF's own template when llama.cpp recognises it; else
+    plain turns.
     """
     if template_name is not None:
-        check_template_name(template_name)
         return Formatter(template_name, template_name), None
     own = model.chat_template()
     if own is None:
@@ -268,7 +270,6 @@ def read_message(read: Callable[[str], Optional[str]], prompt: str = ">>> ", mor
 class ChatOptions:
     max_tokens: int = 256
     system: Optional[str] = None
-    template: Optional[str] = None
     quiet: bool = False
     verbose: bool = False
     show_accept: bool = False
@@ -285,6 +286,10 @@ class ChatSession:
     err: TextIO = field(default_factory=lambda: sys.stderr)
     messages: list[dict] = field(default_factory=list)
     totals: Totals = field(default_factory=Totals)
+    # How a reply is shown (turn() needs both): the CLI's render.stream_generation and
+    # summary_line, handed in so that the session does not import the CLI above it.
+    stream_generation: Optional[Callable[..., bool]] = None
+    summary_line: Optional[Callable[..., str]] = None
 
     def __post_init__(self) -> None:
         self.system: Optional[str] = self.options.system
@@ -303,8 +308,6 @@ class ChatSession:
     # --- a turn --------------------------------------------------------------------------------
     def turn(self, text: str) -> None:
         """Answer `text`: fit the conversation, stream the reply, add both to the history."""
-        from specli.cli.render import stream_generation, summary_line
-
         decoder = self.loaded.decoder
         n_ctx = decoder.model_tgt.n_ctx
         message = {"role": "user", "content": text}
@@ -319,7 +322,7 @@ class ChatSession:
         if dropped and not self.options.quiet:
             self.notice(f"context full: dropped the oldest {dropped} exchange(s) to fit the {n_ctx}-token context with --max-tokens {self.options.max_tokens}")
         gen = decoder.generate(ids, max_tokens=self.options.max_tokens)
-        interrupted = stream_generation(
+        interrupted = self.stream_generation(
             gen, self.out, self.err, show_text=True, live=not self.options.quiet and not self.options.verbose,
             show_accept=self.options.show_accept, with_drafting=self.with_drafting,
         )
@@ -333,7 +336,7 @@ class ChatSession:
         self.totals.add(gen.stats)
         if not self.options.quiet:
             stats = gen.stats
-            line = summary_line(stats, stop_reason=gen.stop_reason, with_drafting=self.with_drafting)
+            line = self.summary_line(stats, stop_reason=gen.stop_reason, with_drafting=self.with_drafting)
             self.notice(f"{line} · prompt: {stats.prompt_tokens - stats.prompt_reused} evaluated, {stats.prompt_reused} reused")
 
     def _forget_untracked(self) -> None:
@@ -404,8 +407,6 @@ class ChatSession:
 
     def to_json(self) -> dict:
         """The conversation and the settings it was produced with (what /save writes)."""
-        from specli.cli.app import sampling_json
-
         plan = self.loaded.plan
         return {
             "system": self.system,

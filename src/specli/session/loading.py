@@ -1,6 +1,6 @@
 """From command-line choices to a ready decoder: resolve names, load models, pick the drafter.
 
-Shared by every command that generates (run today; chat, batch and bench later).
+Shared by every command that generates (run, chat, batch and bench).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from specli import __version__
 
 from specli.decoding.policy import store as policy_store
 from specli.llama.compat import check_compatible
-from specli.decoding.drafters import DraftModelDrafter, Drafter, HybridDrafter, PromptLookupDrafter
-from specli.decoding.engine import AUTO, MAX_DRAFT, SpeculativeDecoder
+from specli.decoding.drafters import make_drafter
+from specli.decoding.engine import AUTO, SpeculativeDecoder
 from specli.errors import UsageError
 from specli.files import write_atomically
-from specli.llama.model import LlamaModel, validate_ctx
-from specli.models.registry import RegistryEntry, load_effective_registry, resolve_model_arg, resolve_source
+from specli.llama.context import validate_ctx
+from specli.llama.model import LlamaModel
+from specli.models.registry import load_effective_registry, resolve_model_arg, resolve_source
 from specli.decoding.sampling import GREEDY, SamplingParams
 
 LOOKUP = "lookup"
@@ -52,7 +53,6 @@ class Plan:
     draft_path: Path | None  # a draft model file, or None
     mode: str  # "draft-model", "lookup", "hybrid" (lookup, else the draft model) or "target-only"
     n_draft: int | str  # a fixed length or "auto"
-    entry: RegistryEntry | None
     sampling: SamplingParams = GREEDY
 
     @property
@@ -143,6 +143,8 @@ def plan(choice: ModelChoice) -> Plan:
     """Resolve -m/-d/--lookup/--target-only into files and a mode. Raises UsageError."""
     if choice.target_only and (choice.draft or choice.lookup):
         raise UsageError("--target-only cannot be combined with -d/--draft or --lookup; pick one")
+    # Kept although the CLI checks -c too: a library caller's n_ctx of 0 would give the model's
+    # whole training context, and one past MAX_CTX would wrap around inside llama.cpp.
     validate_ctx(choice.n_ctx)
 
     # The shipped models.toml plus the user's own (SPECLI_MODELS or the config dir's).
@@ -171,10 +173,9 @@ def plan(choice: ModelChoice) -> Plan:
         # No draft model named: prompt lookup costs nothing and never changes the output.
         mode = LOOKUP
 
+    # A bad n_draft is refused by SpeculativeDecoder.set_n_draft (the CLI refuses it earlier).
     n_draft = AUTO if choice.n_draft is None else choice.n_draft
-    if n_draft != AUTO and not (isinstance(n_draft, int) and 1 <= n_draft <= MAX_DRAFT):
-        raise UsageError(f"-n must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
-    return Plan(target_path, draft_path, mode, n_draft, entry, choice.sampling)
+    return Plan(target_path, draft_path, mode, n_draft, choice.sampling)
 
 
 def load(p: Plan, choice: ModelChoice) -> Loaded:
@@ -187,7 +188,6 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
                 f"{p.target_path.name} is a recurrent or hybrid model: its state cannot drop rejected "
                 "tokens, so speculative decoding cannot verify drafts with it; use a transformer target"
             )
-        drafter: Drafter | None = None
         if p.mode in ("draft-model", HYBRID):
             assert p.draft_path is not None
             model_dft = LlamaModel(p.draft_path, n_ctx=choice.n_ctx, n_gpu_layers=choice.draft_ngl, n_threads=choice.threads)
@@ -195,12 +195,7 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
                 raise UsageError(f"{p.draft_path.name} is a recurrent or hybrid model; use a transformer draft model")
             if p.draft_path.resolve() != p.target_path.resolve():
                 check_compatible(model_tgt.vocab_info(), model_dft.vocab_info(), model_tgt.token_text, model_dft.token_text)
-            drafter = DraftModelDrafter(model_dft)
-            if p.mode == HYBRID:
-                drafter = HybridDrafter(PromptLookupDrafter(), drafter)
-        elif p.mode == LOOKUP:
-            drafter = PromptLookupDrafter()
-        decoder = SpeculativeDecoder(model_tgt, drafter, p.n_draft, p.sampling)
+        decoder = SpeculativeDecoder(model_tgt, make_drafter(p.mode, model_dft), p.n_draft, p.sampling)
         loaded = Loaded(p, model_tgt, model_dft, decoder)
         if decoder.adaptive:
             loaded.policy_key = policy_key(p, choice)

@@ -1,0 +1,200 @@
+"""The options the generating commands share, declared once, and what they become.
+
+Each group below is a dataclass of Annotated fields (Typer's own option declarations).
+`flatten` lays a group's fields out as the command's own options, in the group's place, so
+Typer sees a flat signature while the command receives one object per group (uv flattens its
+shared argument structs the same way). `model_choice` turns the groups into the ModelChoice the
+core plans and loads from.
+
+Ranges: Typer checks the plain ones (-c, --threads at least 1, --max-tokens) as it parses; the
+sampling ranges are SamplingParams.validate's, and -n is parsed by the engine's rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from specli.decoding.engine import MAX_DRAFT, parse_draft_length
+from specli.decoding.sampling import SamplingParams
+from specli.errors import SettingError, SpecliError, UsageError
+from specli.llama.context import MAX_CTX, MIN_CTX
+from specli.session.loading import Loaded, ModelChoice, Plan, load
+
+# The defaults are the core's: ModelChoice's (context, offload) and SamplingParams' (llama.cpp's).
+_CHOICE = ModelChoice()
+_SAMPLING = SamplingParams()
+DEFAULT_MAX_TOKENS = 256
+# --threads above this many per logical CPU is a typo, not a setting (llama.cpp would start them all).
+MAX_THREADS_PER_CPU = 4
+# --ngl / --draft-ngl: -1 (all layers) or a count up to this. llama.cpp keeps the count in 32 bits
+# (a larger number would wrap around silently); GGUF models have at most 512 layers.
+MAX_NGL = 10_000
+
+# The core names a setting it refuses by its field (SettingError); the CLI says its option.
+OPTION_NAMES = {
+    "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+    "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "--seed",
+    "n_draft": "-n", "n_ctx": "-c", "max_tokens": "--max-tokens",
+}  # fmt: skip
+
+
+def error_message(err: SpecliError) -> str:
+    """An error's one line as the CLI says it: a refused setting named by its option (--top-k)."""
+    if isinstance(err, SettingError):
+        return err.worded(OPTION_NAMES.get(err.setting, err.setting))
+    return str(err)
+
+
+def parse_n_draft(text: str) -> int | str:
+    """-n's value as Typer parses it: "auto" or a number of drafts."""
+    try:
+        return parse_draft_length(text)
+    except ValueError as err:
+        raise UsageError(f"-n must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step; {err}") from None
+
+
+# --- the option groups ----------------------------------------------------------------------------
+@dataclass
+class Models:
+    """The target, and the draft model or prompt lookup (run, chat, batch, bench, fit)."""
+
+    model: Annotated[Optional[str], typer.Option("-m", "--model", help="Target model: a GGUF path or a models.toml name. Default: models.toml's default (shipped: the embedded Gemma 3 270M).")] = None
+    draft: Annotated[Optional[str], typer.Option("-d", "--draft", help="Draft model: a GGUF path or a models.toml name (same tokenizer as the target).")] = None
+    lookup: Annotated[bool, typer.Option("--lookup", help="Draft by prompt lookup (copying from the text so far); no draft model.")] = False
+
+
+@dataclass
+class Drafting:
+    """Whether to draft, and how many tokens (run, chat, batch; bench sweeps its own -n)."""
+
+    target_only: Annotated[bool, typer.Option("--target-only", help="Plain decoding with the target alone: the baseline.")] = False
+    # Parsed as Typer reads it: "auto", a number of drafts, or None when not given.
+    n_draft: Annotated[Optional[str], typer.Option(
+        "-n", "--num-speculative-tokens", metavar="auto|N", parser=parse_n_draft,
+        help=f"Draft tokens per step: 'auto' (default: chosen each step from measured costs and acceptance) or a fixed number 1-{MAX_DRAFT}.",
+    )] = None  # fmt: skip
+
+
+@dataclass
+class Memory:
+    """The context and where the layers go (run, chat, batch, bench, fit)."""
+
+    n_ctx: Annotated[int, typer.Option("-c", "--ctx", min=MIN_CTX, max=MAX_CTX, help="Context size in tokens (prompt + output).")] = _CHOICE.n_ctx
+    ngl: Annotated[int, typer.Option("--ngl", help="Target layers to offload to the GPU (-1 = all).")] = _CHOICE.ngl
+    draft_ngl: Annotated[int, typer.Option("--draft-ngl", help="Draft model layers to offload to the GPU (-1 = all).")] = _CHOICE.draft_ngl
+
+    def check(self) -> None:
+        """UsageError unless --ngl and --draft-ngl are -1 (all layers) or 0..MAX_NGL."""
+        for option, value in (("--ngl", self.ngl), ("--draft-ngl", self.draft_ngl)):
+            if not -1 <= value <= MAX_NGL:
+                raise UsageError(f"{option} must be -1 (all layers) or a layer count from 0 to {MAX_NGL:,}, got {value}")
+
+
+@dataclass
+class Sampling:
+    """How tokens are drawn (run, chat, batch, bench); --seed is each command's own (its help
+    differs). The ranges are SamplingParams.validate's."""
+
+    temperature: Annotated[float, typer.Option("--temperature", "--temp", help="Sampling temperature; 0 = greedy (deterministic).")] = _SAMPLING.temperature
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = _SAMPLING.top_k
+    top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set of tokens with this much probability (1 = off).")] = _SAMPLING.top_p
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below this fraction of the best token's probability (0 = off).")] = _SAMPLING.min_p
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Penalise recently seen tokens (1 = off).")] = _SAMPLING.repeat_penalty
+    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="How many recent tokens the repeat penalty looks at.")] = _SAMPLING.repeat_last_n
+
+    def params(self, seed: int | None) -> SamplingParams:
+        """The checked SamplingParams (SettingError names the first bad field)."""
+        return SamplingParams(**dataclasses.asdict(self), seed=seed).validate()
+
+
+# Single options several commands share.
+Threads = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU threads (default: physical cores).")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr except errors.")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log and tracebacks.")]
+ShowAccept = Annotated[bool, typer.Option("--show-accept", help="On a terminal, colour text that came from accepted drafts.")]
+
+
+def max_tokens_option(help: str, default: int = DEFAULT_MAX_TOKENS) -> Any:
+    """--max-tokens, with what it means for the command (per reply, per item, per run)."""
+    return typer.Option(default, "--max-tokens", min=1, help=help)
+
+
+def flatten(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Let `command` take option groups: a parameter annotated with a group (a dataclass above)
+    is, for Typer, that group's fields in its place; the command is called with one object of
+    the group. The parameter's default, when given, is a group instance holding the command's
+    own defaults (bench: Sampling(temperature=0.0))."""
+    hints = typing.get_type_hints(command, include_extras=True)
+    keyword = inspect.Parameter.KEYWORD_ONLY  # Typer passes every option by name
+    flat: list[inspect.Parameter] = []
+    groups: dict[str, type] = {}
+    for param in inspect.signature(command).parameters.values():
+        kind = hints.get(param.name, param.annotation)
+        if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
+            flat.append(param.replace(kind=keyword, annotation=kind))
+            continue
+        defaults = kind() if param.default is param.empty else param.default
+        fields = typing.get_type_hints(kind, include_extras=True)
+        for f in dataclasses.fields(kind):
+            flat.append(inspect.Parameter(f.name, keyword, annotation=fields[f.name], default=getattr(defaults, f.name)))
+        groups[param.name] = kind
+
+    def flattened(**options: Any) -> Any:
+        for name, kind in groups.items():
+            options[name] = kind(**{f.name: options.pop(f.name) for f in dataclasses.fields(kind)})
+        return command(**options)
+
+    functools.update_wrapper(flattened, command, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
+    flattened.__signature__ = inspect.Signature(flat, return_annotation=hints.get("return", inspect.Signature.empty))  # type: ignore[attr-defined]
+    flattened.__annotations__ = {p.name: p.annotation for p in flat}
+    return flattened
+
+
+# --- what the options become ---------------------------------------------------------------------
+def check_threads(threads: int | None) -> None:
+    """UsageError when --threads is more than MAX_THREADS_PER_CPU per CPU (Typer refuses < 1)."""
+    cpus = os.cpu_count()
+    if threads is not None and cpus and threads > MAX_THREADS_PER_CPU * cpus:
+        raise UsageError(
+            f"--threads {threads} is more than {MAX_THREADS_PER_CPU} per CPU of this machine ({cpus} CPUs); "
+            f"use at most {MAX_THREADS_PER_CPU * cpus}, or leave it out for one per physical core"
+        )
+
+
+def model_choice(
+    models: Models, memory: Memory, sampling: Sampling, *, threads: int | None, seed: int | None,
+    drafting: Drafting | None = None,
+) -> ModelChoice:  # fmt: skip
+    """Check the shared options (before any model loads) and bundle them for the core."""
+    drafting = drafting or Drafting()
+    check_threads(threads)
+    memory.check()
+    return ModelChoice(
+        models.model, models.draft, models.lookup, drafting.target_only, drafting.n_draft,
+        memory.n_ctx, memory.ngl, memory.draft_ngl, threads, sampling.params(seed),
+    )  # fmt: skip
+
+
+def load_models(the_plan: Plan, choice: ModelChoice, *, quiet: bool, verbose: bool = False) -> Loaded:
+    """Load the plan's models, with a spinner on a terminal; say so when saved measurements
+    were ignored (--verbose: why)."""
+    from specli.cli.render import stderr_console
+
+    if quiet or not sys.stderr.isatty():
+        loaded = load(the_plan, choice)
+    else:
+        names = the_plan.target_path.name + (f" and {the_plan.draft_path.name}" if the_plan.draft_path else "")
+        with stderr_console().status(f"loading {names}"):
+            loaded = load(the_plan, choice)
+    if loaded.policy_notice and not quiet:
+        print(loaded.policy_notice + (f": {loaded.policy_problem}" if verbose else ""), file=sys.stderr)
+    return loaded

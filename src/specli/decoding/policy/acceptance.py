@@ -1,0 +1,160 @@
+"""How likely drafts are to be accepted, and the draft length that pays best.
+
+- a_i: the probability that draft i (0-based) is accepted when all drafts before it were,
+  per draft position (PositionalAcceptance), or for a draft model from its own confidence in
+  the token, calibrated against what the target accepted (ConfidenceCalibration);
+- E(k) = 1 + a_0 + a_0 a_1 + ... + a_0...a_{k-1}: the tokens a pass with k drafts yields on
+  average (the accepted drafts plus the target's own token);
+- the best k maximises E(k) / C(k), tokens per second, C(k) being what the step costs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+# Before anything is measured: an optimistic acceptance (so the first steps draft and learn).
+PRIOR_ACCEPT = 0.7
+PRIOR_WEIGHT = 3.0  # pseudo-observations behind a prior or a neighbour's estimate
+DECAY = 0.97  # weight of older observations per new one: recent text counts most
+
+
+def expected_tokens(accept: Sequence[float]) -> list[float]:
+    """E(k) for k = 0 .. len(accept): tokens a pass with k drafts yields on average."""
+    out = [1.0]
+    all_accepted = 1.0
+    for a in accept:
+        all_accepted *= a
+        out.append(out[-1] + all_accepted)
+    return out
+
+
+def best_length(accept: Sequence[float], t_draft: float, pass_cost: Callable[[int], float],
+                plain_cost: float | None = None, start_cost: float = 0.0) -> int:  # fmt: skip
+    """The k in 0 .. len(accept) with the highest E(k) / (start_cost + k t_draft + T(k+1)).
+
+    `accept[i]` is a_i; `pass_cost(n)` is T(n); `plain_cost` is what a pass costs in plain
+    decoding (default T(1)); `start_cost` what a step that drafts at all pays on top of its
+    tokens. Ties go to the shorter draft (less work).
+    """
+    expected = expected_tokens(accept)
+    best_k, best_rate = 0, expected[0] / (plain_cost if plain_cost is not None else pass_cost(1))
+    for k in range(1, len(accept) + 1):
+        rate = expected[k] / (start_cost + k * t_draft + pass_cost(k + 1))
+        if rate > best_rate * (1 + 1e-12):
+            best_k, best_rate = k, rate
+    return best_k
+
+
+class PositionalAcceptance:
+    """a_i per draft position, from recent verdicts.
+
+    A position with little evidence leans on the estimate of the position before it (the first
+    on PRIOR_ACCEPT): a_i = (accepted_i + w a_{i-1}) / (judged_i + w). Every position's old
+    verdicts fade by DECAY at each step, judged or not: a deep position that failed once, long
+    ago, drifts back to its neighbour's estimate and gets tried again.
+    """
+
+    def __init__(self, max_positions: int, prior: float = PRIOR_ACCEPT) -> None:
+        self.judged = [0.0] * max_positions
+        self.accepted = [0.0] * max_positions
+        self.prior = prior
+        self.refused = False  # whether a draft has been refused since this record was made
+
+    def observe(self, n_drafted: int, n_accepted: int) -> None:
+        self.refused = self.refused or n_accepted < n_drafted
+        # Positions 0 .. n_accepted were judged (the last of them rejected unless all passed);
+        # later drafts were never looked at.
+        n_judged = min(n_accepted + 1, n_drafted, len(self.judged))
+        n_passed = min(n_judged, n_accepted)
+        self.judged = [j * DECAY + 1 if i < n_judged else j * DECAY for i, j in enumerate(self.judged)]
+        self.accepted = [a * DECAY + 1 if i < n_passed else a * DECAY for i, a in enumerate(self.accepted)]
+
+    def fade(self, keep: float) -> None:
+        """Keep only this fraction of the evidence (before a probe: its verdict is news)."""
+        self.judged = [j * keep for j in self.judged]
+        self.accepted = [a * keep for a in self.accepted]
+
+    def rates(self, n: int, copied: int = 0) -> list[float]:
+        """a_0 .. a_{n-1}. `copied`: tokens the text has just copied in a row (a lookup match);
+        by the rule of succession the next one follows with (copied + 1) / (copied + 2), and a
+        position with little evidence leans on that where it is higher than its neighbour."""
+        out, previous = [], self.prior
+        for i in range(min(n, len(self.judged))):
+            if copied:
+                previous = max(previous, (copied + i + 1) / (copied + i + 2))
+            previous = (self.accepted[i] + PRIOR_WEIGHT * previous) / (self.judged[i] + PRIOR_WEIGHT)
+            out.append(previous)
+        return out
+
+
+class ConfidenceCalibration:
+    """P(accepted | the draft model's probability for its token), in ten bins.
+
+    Each bin starts at its own centre (a calibrated draft) and moves with what the target
+    accepted; old verdicts fade by DECAY.
+    """
+
+    BINS = 10
+
+    def __init__(self) -> None:
+        self.judged = [0.0] * self.BINS
+        self.accepted = [0.0] * self.BINS
+        self.first_seen = [0.0] * self.BINS  # how often the first draft token falls in each bin
+
+    def fade(self, keep: float) -> None:
+        """Keep only this fraction of the verdicts (see PositionalAcceptance.fade)."""
+        self.judged = [j * keep for j in self.judged]
+        self.accepted = [a * keep for a in self.accepted]
+
+    def saw_first(self, confidence: float) -> None:
+        """The drafter looked at a first token with this confidence (kept or not)."""
+        self.first_seen = [n * DECAY for n in self.first_seen]
+        self.first_seen[self._bin(confidence)] += 1
+
+    def _bin(self, confidence: float) -> int:
+        return min(int(confidence * self.BINS), self.BINS - 1)
+
+    def observe(self, confidences: Sequence[float], n_accepted: int) -> None:
+        for i, confidence in enumerate(confidences[: n_accepted + 1]):
+            b = self._bin(confidence)
+            self.judged[b] = self.judged[b] * DECAY + 1
+            self.accepted[b] = self.accepted[b] * DECAY + (1 if i < n_accepted else 0)
+
+    def rate(self, confidence: float) -> float:
+        return self.bin_rate(self._bin(confidence))
+
+    def bin_rate(self, b: int) -> float:
+        centre = (b + 0.5) / self.BINS
+        return (self.accepted[b] + PRIOR_WEIGHT * centre) / (self.judged[b] + PRIOR_WEIGHT)
+
+
+def gated_rate(first: ConfidenceCalibration, later: Sequence[float], t_draft: float, costs: Sequence[float],
+               start_cost: float = 0.0) -> float | None:  # fmt: skip
+    """Tokens per second of drafting with a confidence gate: pay start_cost + t_draft to see
+    the first token's confidence, keep it (and continue with the best number of later drafts,
+    accepted with the rates `later`) only in the bins where that pays, else make a plain pass.
+
+    Long-run rate = expected tokens per step / expected seconds per step, over the recent mix
+    of first-token confidences. None before any first token was seen. costs[n] = T(n).
+    """
+    total = sum(first.first_seen)
+    if total == 0 or len(costs) < 3:
+        return None
+    # After a kept first token: j more drafts (j more draft passes), chosen for the best rate
+    # of the continuation.
+    cont = expected_tokens(later[: len(costs) - 3])
+    j, best_cont = 0, 0.0
+    for extra, expected in enumerate(cont):
+        rate = expected / ((1 + extra) * t_draft + costs[extra + 2])
+        if rate > best_cont:
+            j, best_cont = extra, rate
+    kept_extra = j * t_draft + costs[j + 2] - costs[1]  # over looking and a plain pass
+    rates = [first.bin_rate(b) for b in range(first.BINS)]
+    tokens, seconds, best = 1.0, start_cost + t_draft + costs[1], 0.0  # nothing kept: look, then a plain pass
+    for b in sorted(range(first.BINS), key=rates.__getitem__, reverse=True):
+        # (the most promising bins first; the best prefix is the gate)
+        f = first.first_seen[b] / total
+        tokens += f * rates[b] * cont[j]
+        seconds += f * kept_extra
+        best = max(best, tokens / seconds)
+    return best

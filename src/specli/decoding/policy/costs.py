@@ -1,0 +1,226 @@
+"""What a target pass costs: T(n), the seconds of a pass over n tokens, learnt from timed passes,
+and what the context before a pass adds to it. Pure arithmetic on timings handed in.
+
+The measurements behind each rule: docs/policy.md ("Pass costs").
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+from specli.decoding.policy.store import PLAUSIBLE
+
+PRIOR_SLOPE = 0.1  # T(n) = T(1) * (1 + PRIOR_SLOPE * (n - 1)) until two pass sizes are measured
+COST_EMA = 0.2  # weight of the newest timing in a running mean of a duration
+COST_FORGET = 0.95  # weight of a wide pass in the cost line per newer pass (about 20 passes)
+COST_CLIP = 1.5  # a wide pass counts at most this times the line's estimate
+CONTEXT_FORGET = 0.995  # weight of a pass in the context slope per newer pass (about 200 passes)
+CONTEXT_PRIOR = 4 * 100.0**2  # the slope leans to 0 until passes' n * context differ this much
+CONTEXT_CLIP = 2.0  # a pass counts at most this times its estimate (looser: the slope is being learnt)
+SEED_WEIGHT = 2.0  # pseudo-passes a saved pass cost counts as
+CONTENDED = 0.8  # a pass using less CPU per second than this share of the usual was slowed down
+SAMPLES_KEPT = 31  # recent uncontended timings per pass size, whose median is saved
+MIN_SAMPLES_SAVED = 1  # timings a pass size needs before its median is saved (the next run checks it)
+
+
+def running_time(mean: float | None, seconds: float, weight: float = COST_EMA) -> float:
+    """A running mean of a duration; a timing counts at most COST_CLIP times the mean (a pass
+    stalled by another process must not steer it for dozens). Symmetric: following faster
+    timings faster than slower ones biased it low (docs/policy.md, `running_time`)."""
+    if mean is None:
+        return seconds
+    return mean + weight * (min(seconds, COST_CLIP * mean) - mean)
+
+
+class ContextSlope:
+    """B, what a target pass costs per token per token of context before it: T(n, L) = T(n, 0)
+    + B n L. Attention reads the whole cache for every token of a pass, a large part of a
+    small model's pass on a CPU; without B, costs learnt at one context length priced passes
+    at another wrongly (docs/policy.md, `ContextSlope`).
+
+    Estimated from the passes themselves: within each pass size, timing against n L, pooled
+    over sizes (least squares with one intercept per size), recent passes counting most, and
+    leaning to B = 0 until the contexts seen differ enough to tell.
+    """
+
+    def __init__(self) -> None:
+        self._sizes: dict[int, list[float]] = {}  # per size: [w, w x, w x^2, w t, w x t, clock] (x = n L)
+        self._num = 0.0  # sum over sizes of the centred w x t
+        self._den = 0.0  # sum over sizes of the centred w x^2
+        self._clock = 0  # passes seen
+        self.prior = 0.0  # the slope it leans to until contexts differ enough (a saved one, or 0)
+
+    @staticmethod
+    def _centred(sums: list[float]) -> tuple[float, float]:
+        w, wx, wxx, wt, wxt = sums[:5]
+        return (wxt - wx * wt / w, wxx - wx * wx / w) if w > 0 else (0.0, 0.0)
+
+    def observe(self, n_tokens: int, seconds: float, context: int) -> None:
+        """A pass over n_tokens after `context` tokens took `seconds`."""
+        x = float(n_tokens * context)
+        self._clock += 1
+        self._num *= CONTEXT_FORGET
+        self._den *= CONTEXT_FORGET
+        sums = self._sizes.get(n_tokens)
+        if sums is None:
+            sums = self._sizes[n_tokens] = [0.0] * 5 + [self._clock]
+        else:
+            fade = CONTEXT_FORGET ** (self._clock - sums[5])
+            sums[:5] = [v * fade for v in sums[:5]]
+            sums[5] = self._clock
+            num, den = self._centred(sums)
+            self._num -= num
+            self._den -= den
+            if sums[0] >= 3:  # one stalled pass must not tilt the slope for hundreds
+                predicted = sums[3] / sums[0] + self.slope * (x - sums[1] / sums[0])
+                seconds = min(seconds, CONTEXT_CLIP * predicted)
+        w, wx, wxx, wt, wxt = sums[:5]
+        sums[:5] = [w + 1, wx + x, wxx + x * x, wt + seconds, wxt + x * seconds]
+        num, den = self._centred(sums)
+        self._num += num
+        self._den += den
+
+    @property
+    def slope(self) -> float:
+        """B in seconds per token per token of context (never negative)."""
+        return max((self._num + CONTEXT_PRIOR * self.prior) / (max(self._den, 0.0) + CONTEXT_PRIOR), 0.0)
+
+    @property
+    def learnt(self) -> bool:
+        """Whether the run's own passes have told the slope more than the prior has."""
+        return self._den > CONTEXT_PRIOR
+
+
+class PassCost:
+    """T(n), the seconds of a target pass over n tokens, learnt from timed passes.
+
+    A one-token pass (plain decoding, or a draft model's look that kept nothing) keeps a running
+    mean of its own. Wider passes follow a straight line, T(n) = a + b n, fitted by least
+    squares to recent passes, each older pass counting COST_FORGET as much as the next: on a
+    CPU a pass costs about a fixed part plus a part per token, on a GPU nearly the fixed part
+    alone. (One mean per size left a size measured in a slow moment expensive for good: it was
+    never chosen again, so never re-measured; docs/policy.md, `PassCost`.)
+    Beyond the widest pass measured lately, the cost rises optimistically (the smaller of the
+    fitted and the prior slope), so that a longer draft gets tried and then judged on its real
+    cost; a pessimistic guess would never be put to the test.
+    """
+
+    def __init__(self) -> None:
+        # Timings are kept as at no context (less B n L, see ContextSlope), the table adds it back.
+        self._mean: dict[int, float] = {}  # per size: running mean (T(1) is read from it)
+        self._fit = [0.0] * 5  # wide passes, forgetting-weighted: sum w, w n, w n^2, w t, w n t
+        self._widest = 0.0  # the widest pass measured lately (fades back like the fit)
+        # One-token passes grow faster with the context than wide ones do per token: a slope each.
+        self.context_one, self.context_wide = ContextSlope(), ContextSlope()
+        # The run's own recent timings per size, as at no context, with the CPU use per second
+        # of each (None where not measured): what is saved, as medians of the uncontended ones.
+        self.samples: dict[int, deque[tuple[float, float | None]]] = {}
+
+    def observe(self, n_tokens: int, seconds: float, cold: bool = False, context: int = 0,
+                utilization: float | None = None) -> None:  # fmt: skip
+        """A pass over n_tokens after `context` tokens took `seconds` (using `utilization` CPU
+        seconds per second). `cold`: it ran in another regime than the one its size is priced
+        for (a wide pass after a step that ran no draft model, a one-token pass other than plain
+        after plain): it counts at most as the line's estimate, and not towards the context slope
+        (such passes come late in a reply, where drafting stops paying, and would pass their
+        slowness off as the context's), nor is it saved."""
+        assert n_tokens >= 1 and seconds >= 0 and math.isfinite(seconds)
+        if 1 in self._mean and n_tokens > 1:
+            # A wide pass is never charged more than PLAUSIBLE one-token passes per token: what
+            # is above that is a stall, not the pass.
+            seconds = min(seconds, PLAUSIBLE * n_tokens * (self._mean[1] + self.context_cost(1, context)))
+        if not cold:
+            self._context_slope(n_tokens).observe(n_tokens, seconds, context)
+        seconds = self.at_no_context(n_tokens, seconds, context)
+        if not cold:
+            self.samples.setdefault(n_tokens, deque(maxlen=SAMPLES_KEPT)).append((seconds, utilization))
+        self._mean[n_tokens] = running_time(self._mean.get(n_tokens), seconds)
+        if n_tokens >= 2:
+            if self._fit[0] >= 3:
+                # One pass stalled by another process must not steer the line for dozens.
+                at_0, slope = self._line()
+                seconds = min(seconds, (1.0 if cold else COST_CLIP) * (at_0 + slope * n_tokens))
+            w, wn, wnn, wt, wnt = (x * COST_FORGET for x in self._fit)
+            self._fit = [w + 1, wn + n_tokens, wnn + n_tokens**2, wt + seconds, wnt + n_tokens * seconds]
+            self._widest = max(self._widest * COST_FORGET, n_tokens)
+
+    def _context_slope(self, n_tokens: int) -> ContextSlope:
+        return self.context_one if n_tokens == 1 else self.context_wide
+
+    def context_cost(self, n_tokens: int, context: int) -> float:
+        """What `context` tokens before it add to a pass over n_tokens."""
+        return self._context_slope(n_tokens).slope * n_tokens * context
+
+    def at_no_context(self, n_tokens: int, seconds: float, context: int) -> float:
+        """A timing taken after `context` tokens, as it would be with none (at least a tenth of it)."""
+        return max(seconds - self.context_cost(n_tokens, context), 0.1 * seconds)
+
+    def seed(self, n_tokens: int, seconds: float, weight: float = SEED_WEIGHT) -> None:
+        """Start from a saved cost: a pass over n_tokens at no context takes `seconds`, counted as
+        `weight` passes (the run's own passes soon outweigh it). Not a sample of this run."""
+        self._mean[n_tokens] = seconds if n_tokens not in self._mean else self._mean[n_tokens]
+        if n_tokens >= 2:
+            w, wn, wnn, wt, wnt = self._fit
+            self._fit = [w + weight, wn + weight * n_tokens, wnn + weight * n_tokens**2, wt + weight * seconds,
+                         wnt + weight * n_tokens * seconds]  # fmt: skip
+            self._widest = max(self._widest, n_tokens)
+
+    def medians(self, usual_utilization: float | None) -> dict[int, tuple[float, int]]:
+        """Per size: the median of the recent timings not slowed by other processes (CPU use
+        per second at least CONTENDED times `usual_utilization`), and how many there were."""
+        out = {}
+        for n, kept in self.samples.items():
+            good = [s for s, u in kept if usual_utilization is None or u is None or u >= CONTENDED * usual_utilization]
+            if len(good) >= MIN_SAMPLES_SAVED:
+                out[n] = (statistics.median(good), len(good))
+        return out
+
+    def __call__(self, n_tokens: int) -> float:
+        return self.table(n_tokens)[n_tokens]
+
+    def _slope(self) -> float:
+        """Seconds per extra token of a wide pass: the fitted slope when the recent passes differ
+        in size; else from T(1) to their mean; else the prior. Never negative."""
+        w, wn, wnn, wt, wnt = self._fit
+        mean_n, mean_t = wn / w, wt / w
+        spread = wnn / w - mean_n**2
+        if spread >= 0.25:
+            return max((wnt / w - mean_n * mean_t) / spread, 0.0)
+        if 1 in self._mean and mean_n > 1:
+            return max((mean_t - self._mean[1]) / (mean_n - 1), 0.0)
+        return self._prior_slope()
+
+    def _line(self) -> tuple[float, float]:
+        """(T(0), slope) of the wide passes' line: T(n) = T(0) + slope n."""
+        w, wn, _, wt, _ = self._fit
+        slope = self._slope()
+        return wt / w - slope * wn / w, slope
+
+    def table(self, n_top: int, context: int = 0) -> list[float]:
+        """[T(0) = 0, T(1), ..., T(n_top)] for passes after `context` tokens: every size a step may
+        ask about, in one go; never decreasing in n."""
+        if not self._mean:
+            return [0.0] + [1.0 + PRIOR_SLOPE * (n - 1) for n in range(1, n_top + 1)]  # relative units
+        prior = self._prior_slope()
+        per_token = self.context_wide.slope * context  # what the context adds per token of a wide pass
+        one = self.context_cost(1, context)
+        if self._fit[0] < 1e-9:  # one-token passes only: T(1) and the prior slope
+            t1 = self._mean.get(1, min(self._mean.values()))
+            return [0.0, t1 + one] + [t1 + prior * (n - 1) + per_token * n for n in range(2, n_top + 1)]
+        at_0, slope = self._line()
+        widest = max(2, round(self._widest))
+        up = min(slope, prior)
+        previous = self._mean[1] if 1 in self._mean else max(at_0 + slope, 1e-9)
+        out = [0.0, previous + one]
+        for n in range(2, n_top + 1):  # (a hot loop: -n auto plans with it every step)
+            t = at_0 + slope * n if n <= widest else at_0 + slope * widest + up * (n - widest)
+            previous = t if t > previous else previous
+            out.append(previous + per_token * n)
+        return out
+
+    def _prior_slope(self) -> float:
+        """PRIOR_SLOPE of a one-token pass, scaled from the shortest pass measured."""
+        shortest = min(self._mean)
+        return PRIOR_SLOPE * self._mean[shortest] / (1 + PRIOR_SLOPE * (shortest - 1))

@@ -1,0 +1,33 @@
+"""What a drafter asks while proposing, and the judge of a fixed `-n`."""
+
+from __future__ import annotations
+
+
+class DraftJudge:
+    """What a drafter asks while proposing. This one drafts exactly as asked (fixed -n).
+
+    A proposal asks `limit` once, then, when the judge `wants_confidence` and the drafter knows
+    it, `keep` for each token and `last` after each kept one. The answers of one proposal belong
+    to that proposal alone (the adaptive judge holds them in its `plan`, made by `limit`).
+    """
+
+    wants_confidence = False  # whether `keep` is to be asked (it needs the draft's probabilities)
+
+    def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0) -> int:
+        """How many tokens of `source` are worth proposing now (0 = none), at most n_max, the
+        context being context_len tokens long; `match`: how many tokens at the end of the
+        context repeat the earlier text the drafts are copied from (prompt lookup; 0 = none)."""
+        return n_max
+
+    def keep(self, source: str, position: int, confidence: float) -> bool:
+        """Whether the draft token at `position`, which the drafter gives this probability,
+        is worth sending to the target (False ends the proposal before it)."""
+        return True
+
+    def last(self) -> bool:
+        """Whether the token `keep` has just kept is to end the proposal: no draft pass to see
+        the next one."""
+        return False
+
+
+FIXED = DraftJudge()

@@ -1,0 +1,169 @@
+"""Several sequences on one model's weights: MultiSequenceContext (`specli batch --parallel`),
+SequenceView (one of its sequences behind LlamaModel's cache API), and the context size limits."""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import numpy as np
+
+import llama_cpp
+
+from specli.errors import SettingError, SpecliError
+from specli.llama.devices import default_threads
+from specli.llama.model import FLASH_ATTN, KV_TYPES, LlamaModel, free_context, sync_cache
+from specli.llama.native import interrupt_requested, last_native_error, native
+
+MIN_CTX = 16
+# llama.cpp keeps n_ctx in 32 bits (a larger -c would wrap around silently); 16M tokens is more
+# than any GGUF model is trained for.
+MAX_CTX = 1 << 24
+
+
+def validate_ctx(n_ctx: int) -> None:
+    """SettingError (n_ctx) unless n_ctx is within MIN_CTX..MAX_CTX."""
+    if not MIN_CTX <= n_ctx <= MAX_CTX:
+        raise SettingError("n_ctx", lambda name: f"{name} must be between {MIN_CTX} and {MAX_CTX:,} tokens, got {n_ctx}")
+
+
+class MultiSequenceContext:
+    """A second context on a loaded model's weights, holding up to `n_seq` independent
+    sequences (llama.cpp sequence ids 0..n_seq-1), each with up to `n_ctx_per_seq` positions.
+
+    One `eval` puts tokens of several sequences through a single llama_decode, each token with
+    its own position and sequence id, so the weights are read once for all of them (`specli
+    batch --parallel`). The KV buffer is unified (one pool of n_seq * n_ctx_per_seq cells,
+    attention masked per sequence), so a pass of unequal lengths per sequence is still one
+    micro-batch. Per sequence, `cached[s]` is what its cache holds, position by position, as
+    LlamaModel.cached is for the single sequence.
+    """
+
+    def __init__(
+        self, model: LlamaModel, *, n_seq: int, n_ctx_per_seq: int, n_batch: int = 512,
+        n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
+    ):  # fmt: skip
+        assert n_seq >= 1
+        threads = n_threads or default_threads()
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_seq * n_ctx_per_seq
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = True
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+        cparams.flash_attn_type = FLASH_ATTN[flash_attn]
+        with native:
+            ctx = llama_cpp.llama_init_from_model(model._model, cparams)
+            if interrupt_requested() and ctx:
+                llama_cpp.llama_free(ctx)
+                ctx = None
+        if not ctx:
+            reason = last_native_error() or "not enough memory?"
+            raise SpecliError(
+                f"llama.cpp could not create a context for {n_seq} sequences of {n_ctx_per_seq} tokens "
+                f"for {model.path}: {reason} (try a smaller --parallel or -c)"
+            )
+        self._ctx = ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+        self.path = model.path
+        self.n_vocab = model.n_vocab
+        self.n_seq = n_seq
+        self.n_ctx_per_seq = n_ctx_per_seq
+        self.n_batch = int(llama_cpp.llama_n_batch(ctx))  # capped by llama.cpp, as in LlamaModel
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.cached: list[list[int]] = [[] for _ in range(n_seq)]
+
+    def eval(self, requests: dict[int, Sequence[int]], *, logits: Literal["all", "none"] = "all") -> dict[int, np.ndarray]:
+        """Append each request's tokens to its sequence; return {seq: logits, one row per token}
+        (empty dict for "none"). "all" needs every token in one batch (<= n_batch in total).
+        The arrays are views of llama.cpp's buffer, valid until the next eval."""
+        flat = [(seq, len(self.cached[seq]) + i, token) for seq, tokens in requests.items() for i, token in enumerate(tokens)]
+        for seq, tokens in requests.items():
+            if len(self.cached[seq]) + len(tokens) > self.n_ctx_per_seq:
+                raise SpecliError(f"internal: sequence {seq} would exceed its {self.n_ctx_per_seq} positions")
+        if logits == "all":
+            assert len(flat) <= self.n_batch, "logits for all positions: one batch at most"
+        for start in range(0, len(flat), self.n_batch):
+            self._decode_chunk(flat[start : start + self.n_batch], want_logits=logits == "all")
+        if logits == "none" or not flat:
+            return {}
+        out = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(len(flat), self.n_vocab))
+        rows, row = {}, 0
+        for seq, tokens in requests.items():  # rows come in batch order: sequence by sequence
+            rows[seq] = out[row : row + len(tokens)]
+            row += len(tokens)
+        return rows
+
+    def _decode_chunk(self, chunk: list[tuple[int, int, int]], *, want_logits: bool) -> None:
+        batch = self._batch
+        batch.n_tokens = len(chunk)
+        for i, (seq, pos, token) in enumerate(chunk):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = want_logits
+        with native:  # a Ctrl-C comes out after the bookkeeping
+            status = llama_cpp.llama_decode(self._ctx, batch)
+            if status != 0:
+                for seq in {seq for seq, _, _ in chunk}:  # drop what may have landed, keep `cached` true
+                    llama_cpp.llama_memory_seq_rm(self._memory, seq, len(self.cached[seq]), -1)
+            else:
+                for seq, _, token in chunk:
+                    self.cached[seq].append(token)
+        if status != 0:
+            reason = last_native_error() or f"llama_decode returned {status}"
+            raise SpecliError(f"decoding {len(chunk)} tokens of {len({s for s, _, _ in chunk})} sequences failed: {reason}")
+
+    def truncate(self, seq: int, n_keep: int) -> None:
+        """Forget positions >= n_keep of sequence `seq`."""
+        if n_keep >= len(self.cached[seq]):
+            return
+        if not llama_cpp.llama_memory_seq_rm(self._memory, seq, n_keep, -1):
+            raise SpecliError(f"llama.cpp cannot remove cache entries from position {n_keep} of sequence {seq} for {self.path.name}")
+        del self.cached[seq][n_keep:]
+
+    def clear(self, seq: int) -> None:
+        """Empty sequence `seq` (its cells go back to the pool), including untracked entries."""
+        llama_cpp.llama_memory_seq_rm(self._memory, seq, 0, -1)
+        self.cached[seq].clear()
+
+    def close(self) -> None:
+        """Free the context and batch (safe to call twice; the weights belong to the model)."""
+        free_context(self)
+
+
+class SequenceView:
+    """One sequence of a MultiSequenceContext behind LlamaModel's cache API (`cached`, `sync`,
+    `eval`, `truncate`, `is_eog`), so that a drafter written for a LlamaModel drafts for that
+    sequence (`specli batch --parallel` with a draft model: one draft cache per sequence)."""
+
+    def __init__(self, seqs: MultiSequenceContext, seq: int, model: LlamaModel):
+        self._seqs, self._seq, self._model = seqs, seq, model
+        self.n_ctx = seqs.n_ctx_per_seq
+        self.synced_new = 0  # tokens the latest sync() evaluated
+
+    @property
+    def cached(self) -> list[int]:
+        return self._seqs.cached[self._seq]
+
+    def is_eog(self, token: int) -> bool:
+        return self._model.is_eog(token)
+
+    def eval(self, tokens: Sequence[int], *, logits: Literal["last", "none"] = "last") -> np.ndarray:
+        """Append `tokens`; the logits of the last one (one row), or none."""
+        if logits == "none" or not tokens:
+            self._seqs.eval({self._seq: tokens}, logits="none")
+            return np.empty((0, self._seqs.n_vocab), dtype=np.float32)
+        if len(tokens) > 1:
+            self._seqs.eval({self._seq: tokens[:-1]}, logits="none")
+        return self._seqs.eval({self._seq: tokens[-1:]}, logits="all")[self._seq]
+
+    def truncate(self, n_keep: int) -> None:
+        self._seqs.truncate(self._seq, n_keep)
+
+    def sync(self, context: Sequence[int]) -> np.ndarray:
+        """As LlamaModel.sync: keep the common prefix, evaluate the rest, return the last logits."""
+        assert context, "sync needs at least one token"
+        return sync_cache(self, context)

@@ -1,0 +1,129 @@
+"""llama.cpp's process-wide state: backend initialisation, its native log, and Ctrl-C during
+native calls. Every other module of this package goes through these helpers."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import threading
+
+import llama_cpp
+
+# --- native log -------------------------------------------------------------------------------
+# llama.cpp logs every tensor it loads. We keep its log quiet unless asked, but remember the
+# last lines so that a failed load can say why. The ctypes callback must stay referenced for the
+# life of the process: llama.cpp keeps the raw pointer (a collected callback means a call into
+# freed memory).
+_LOG_LEVEL_ERROR = 4
+_recent_log: collections.deque[tuple[int, str]] = collections.deque(maxlen=64)
+_log_lock = threading.Lock()
+_verbose = False
+_backend_ready = False
+
+
+def _on_native_log(level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> None:
+    line = (text or b"").decode("utf-8", errors="replace")
+    with _log_lock:
+        _recent_log.append((level, line))
+    if _verbose:
+        try:
+            os.write(2, text or b"")
+        except OSError:  # stderr closed or full: the log is not worth failing for
+            pass
+
+
+_log_callback = llama_cpp.llama_log_callback(_on_native_log)
+
+
+def clear_native_log() -> None:
+    """Forget the lines logged so far (before a load whose failure they would explain)."""
+    with _log_lock:
+        _recent_log.clear()
+
+
+def last_native_error() -> str | None:
+    """The last error line llama.cpp logged (used to explain a failed load), or None."""
+    with _log_lock:
+        for level, line in reversed(_recent_log):
+            if level == _LOG_LEVEL_ERROR and line.strip():
+                return line.strip()
+    return None
+
+
+# --- Ctrl-C inside native calls ---------------------------------------------------------------
+# llama.cpp calls back into Python (the log above, the load's progress below) while it loads or
+# decodes. Python runs a SIGINT handler at the next Python instruction, which is then inside such
+# a callback: a KeyboardInterrupt raised there cannot cross the C frames; ctypes prints it and
+# drops it, and the load goes on. So while a native call that may call back runs (`with
+# native:`), specli's SIGINT handler only records the request; the load's progress callback then
+# cancels the load, and KeyboardInterrupt is raised once the call returns. Outside such calls the
+# handler is Python's own (KeyboardInterrupt at once). Entering and leaving costs two integer
+# updates: it sits around every decode.
+_interrupt_requested = False
+_native_depth = 0
+
+
+def _on_sigint(signum, frame) -> None:
+    global _interrupt_requested
+    if _native_depth:
+        _interrupt_requested = True
+    else:
+        signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt
+
+
+def _install_sigint_handler() -> None:
+    """Take over SIGINT, only where it has Python's default handler (a program that set its
+    own keeps it) and only from the main thread (the only one that may)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+def interrupt_requested() -> bool:
+    """True when a Ctrl-C came during the current `with native:` block (then to be undone)."""
+    return _interrupt_requested
+
+
+def _on_load_progress(_progress: float, _user_data: ctypes.c_void_p) -> bool:
+    return not _interrupt_requested  # False cancels the load
+
+
+# For llama_model_params.progress_callback: cancels a load on Ctrl-C.
+progress_callback = llama_cpp.llama_progress_callback(_on_load_progress)
+
+
+class _NativeCall:
+    """`with native:` around a native call that may call back into Python: a Ctrl-C during
+    it comes out as KeyboardInterrupt when the outermost such block is left."""
+
+    def __enter__(self) -> None:
+        global _native_depth
+        _native_depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _native_depth, _interrupt_requested
+        _native_depth -= 1
+        if _interrupt_requested and not _native_depth:
+            _interrupt_requested = False
+            raise KeyboardInterrupt
+
+
+native = _NativeCall()
+
+
+def init_backend(*, verbose: bool = False) -> None:
+    """Initialise llama.cpp once per process; `verbose` lets its native log through to stderr."""
+    global _backend_ready, _verbose
+    _verbose = verbose
+    if not _backend_ready:
+        _install_sigint_handler()
+        with native:
+            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+def ensure_backend() -> None:
+    """init_backend() unless done already, keeping the verbosity chosen then."""
+    init_backend(verbose=_verbose)
