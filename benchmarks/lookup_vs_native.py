@@ -404,8 +404,9 @@ def snapshot(src: Path, into: Path) -> Path:
     """A copy of the specli package, so that edits during the run change nothing measured."""
     dest = into / "src"
     shutil.copytree(src / "specli", dest / "specli", ignore=shutil.ignore_patterns("__pycache__"))
-    # (specli finds its model registry at the repository root when not installed as a wheel)
-    shutil.copy2(src.parent / "models.toml", into / "models.toml")
+    # (before 5a4c824 specli found its model registry at the repository root; now it is package data)
+    if (src.parent / "models.toml").is_file():
+        shutil.copy2(src.parent / "models.toml", into / "models.toml")
     return dest
 
 
