@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from specli.decoding.policy import store as policy_store
+from specli.decoding.policy.acceptance import PositionalAcceptance
 from specli.decoding.policy.adaptive import LONG_MATCH, SEED_CHECKS, AdaptivePolicy, StepReport
 from specli.decoding.policy.store import Rejected
 
@@ -141,18 +142,20 @@ def test_a_warm_run_drafts_on_short_matches_until_a_draft_is_refused():
 
 
 def test_the_length_of_a_lookup_match_is_evidence_the_copy_goes_on():
-    # A text that has copied 60 tokens in a row, with no verdict of this run yet: drafts go
-    # further than at a match of LONG_MATCH tokens (rule of succession), and far further than
-    # on the record's prior alone.
+    # A text that has copied m tokens in a row: by the rule of succession the next follows with
+    # (m + 1) / (m + 2), so a longer match promises more; the record's prior alone does not.
+    fresh = PositionalAcceptance(8)
+    plain, at_12, at_60 = fresh.rates(8), fresh.rates(8, copied=LONG_MATCH), fresh.rates(8, copied=60)
+    assert all(a < b < c for a, b, c in zip(plain, at_12, at_60)), (plain, at_12, at_60)
+    # Until the run sees such a draft refused: then the record speaks alone, at any match length.
     saved = through_a_file(run(None, quiet, 1.0, steps=200)[0])
     lengths = {}
-    for match in (0, LONG_MATCH, 60):
+    for match in (LONG_MATCH, 60):
         policy = AdaptivePolicy(64)
         policy.seed(saved)
-        policy.source("lookup").acceptance.refused = True  # judged on costs as they are
-        policy.source("lookup:long").acceptance.refused = True
+        policy.source("lookup:long").acceptance.observe(8, 3)  # one refused
         lengths[match] = policy.limit("lookup", 64, 100, match=match)
-    assert lengths[0] < lengths[LONG_MATCH] < lengths[60], lengths
+    assert lengths[LONG_MATCH] == lengths[60], lengths
 
 
 def test_contended_passes_are_used_by_the_run_but_never_saved():
