@@ -147,15 +147,12 @@ def test_the_length_of_a_lookup_match_is_evidence_the_copy_goes_on():
     fresh = PositionalAcceptance(8)
     plain, at_12, at_60 = fresh.rates(8), fresh.rates(8, copied=LONG_MATCH), fresh.rates(8, copied=60)
     assert all(a < b < c for a, b, c in zip(plain, at_12, at_60)), (plain, at_12, at_60)
-    # Until the run sees such a draft refused: then the record speaks alone, at any match length.
-    saved = through_a_file(run(None, quiet, 1.0, steps=200)[0])
-    lengths = {}
-    for match in (LONG_MATCH, 60):
-        policy = AdaptivePolicy(64)
-        policy.seed(saved)
-        policy.source("lookup:long").acceptance.observe(8, 3)  # one refused
-        lengths[match] = policy.limit("lookup", 64, 100, match=match)
-    assert lengths[LONG_MATCH] == lengths[60], lengths
+    # It is a prior: the record's verdicts outweigh it, at the refused position and deeper.
+    refused = PositionalAcceptance(8)
+    for _ in range(20):
+        refused.observe(8, 1)  # the second draft token always refused
+    rates = refused.rates(8, copied=60)
+    assert rates[0] > 0.9 and max(rates[1:]) < 0.3, rates
 
 
 def test_contended_passes_are_used_by_the_run_but_never_saved():

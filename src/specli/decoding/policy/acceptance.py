@@ -76,12 +76,12 @@ class PositionalAcceptance:
 
     def rates(self, n: int, copied: int = 0) -> list[float]:
         """a_0 .. a_{n-1}. `copied`: tokens the text has just copied in a row (a lookup match);
-        by the rule of succession the next one follows with (copied + 1) / (copied + 2), and a
-        position with little evidence leans on that where it is higher than its neighbour."""
-        out, previous = [], self.prior
+        by the rule of succession the next one follows with (copied + 1) / (copied + 2): the
+        prior where that is higher. The record's verdicts outweigh it, position by position,
+        and a deeper position leans on the one before it, so refusals are not forgotten deeper."""
+        out = []
+        previous = max(self.prior, (copied + 1) / (copied + 2)) if copied else self.prior
         for i in range(min(n, len(self.judged))):
-            if copied:
-                previous = max(previous, (copied + i + 1) / (copied + i + 2))
             previous = (self.accepted[i] + PRIOR_WEIGHT * previous) / (self.judged[i] + PRIOR_WEIGHT)
             out.append(previous)
         return out

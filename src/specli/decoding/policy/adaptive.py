@@ -342,9 +342,7 @@ class AdaptivePolicy(DraftJudge):
         if n_max > state.reach:
             within = REACH_COST * plan.costs[state.reach + 1]
             n_max = max(n for n in range(state.reach, n_max + 1) if plan.costs[n + 1] <= within)
-        # A long match is evidence that the copy goes on, until this run sees such a draft refused.
-        copied = match if match >= LONG_MATCH and not state.acceptance.refused else 0
-        plan.rates = state.acceptance.rates(n_max, copied)
+        plan.rates = state.acceptance.rates(n_max, match if match >= LONG_MATCH else 0)  # a long match is evidence
         plan.t_draft = self._t_draft(state)
         plain = self._plain_at(context_len)
         gated = None
