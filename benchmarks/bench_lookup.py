@@ -11,7 +11,7 @@ since interference only ever slows a run down). Everything is greedy: specli get
 `--temperature 0` (its default samples at 0.8), llama.cpp gets `--temp 0`.
 
 - specli plain:   `specli run --target-only --json ...`
-- specli lookup:  `specli run --lookup -n N --json ...`               (one per N)
+- specli lookup:  `specli run --lookup --draft-max N --json ...`           (one per N)
 - native plain:   `llama-speculative-simple --spec-type ngram-simple` with a lookup key
                   longer than the context (`--spec-ngram-simple-size-n 1024`), so it never
                   drafts: plain decoding through the very loop and timer that measure the
@@ -206,7 +206,7 @@ def search(pattern: str, text: str, what: str) -> re.Match:
 
 def specli_cmd(prompt: str, args: argparse.Namespace, n_draft: int | None) -> list[str]:
     """`specli run` as the benchmark calls it: plain when n_draft is None, else lookup."""
-    mode = ["--target-only"] if n_draft is None else ["--lookup", "-n", str(n_draft)]
+    mode = ["--target-only"] if n_draft is None else ["--lookup", "--draft-max", str(n_draft)]
     # --temperature 0: specli samples at 0.8 by default; the comparison is greedy on both sides.
     return [
         *args.specli, "run", "-m", str(args.model), *mode, "--temperature", "0", "--json", "--quiet",

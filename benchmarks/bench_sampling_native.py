@@ -31,7 +31,7 @@ from fixtures.helpers import convert  # noqa: E402
 
 
 def specli_run(args, target: Path, draft: Path | None, prompt: str, seed: int) -> dict:
-    mode = ["--target-only"] if draft is None else ["-d", str(draft), "-n", str(args.n)]
+    mode = ["--target-only"] if draft is None else ["-d", str(draft), "--draft-max", str(args.n)]
     cmd = [
         *find_specli(), "run", "-m", str(target), *mode, "--temperature", str(args.temperature),
         "--seed", str(seed), "--json", "--quiet", "--max-tokens", str(args.max_tokens),

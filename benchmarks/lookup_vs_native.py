@@ -105,7 +105,7 @@ class Job:
 
 def specli_cmd(prompt: str, args: argparse.Namespace, n_draft: str | None) -> list[str]:
     """`specli run` as the benchmark calls it: plain when n_draft is None, else lookup."""
-    mode = ["--target-only"] if n_draft is None else ["--lookup", "-n", n_draft]
+    mode = ["--target-only"] if n_draft is None else ["--lookup", "--draft-max", n_draft]
     # --temperature 0: specli samples at 0.8 by default; the comparison is greedy on both sides.
     return [
         sys.executable, "-m", "specli", "run", "-m", str(args.model), *mode, "--temperature", "0", "--json",

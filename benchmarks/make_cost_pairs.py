@@ -12,7 +12,7 @@ own greedy continuation of a fixed prompt (numpy reference forward pass), the fr
 positions where the draft's argmax equals the target's.
 
 Usage: python benchmarks/make_cost_pairs.py [--out /tmp/specli-cost-pairs] [--tokens 48]
-Then e.g.: specli bench -m TARGET -d DRAFT --n 1,2,3,5,8
+Then e.g.: specli bench -m TARGET -d DRAFT --draft-max 1,2,3,5,8
 """
 
 from __future__ import annotations

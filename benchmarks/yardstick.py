@@ -78,7 +78,7 @@ def plan(args, gemma_q4: Path, gemma_f16: Path | None, pairs: dict[str, tuple[Pa
             jobs.append(Job("native plain", at, native_cmd(args, gemma_q4, files[name], NATIVE_PLAIN), "spec-simple"))
             if "lookup" in args.only:
                 for n in ("16", "auto"):
-                    jobs.append(Job(f"specli lookup n={n}", at, specli_cmd(args, gemma_q4, text, ["--lookup", "-n", n]), "specli"))
+                    jobs.append(Job(f"specli lookup n={n}", at, specli_cmd(args, gemma_q4, text, ["--lookup", "--draft-max", n]), "specli"))
                 jobs.append(Job("native ngram default", at, native_cmd(args, gemma_q4, files[name], ["--spec-type", "ngram-simple"]), "spec-simple"))
     if "draft" in args.only:
         pair_list = [(label, t, d, ["story"], args.n_synthetic) for label, (t, d) in pairs.items()]
@@ -89,7 +89,7 @@ def plan(args, gemma_q4: Path, gemma_f16: Path | None, pairs: dict[str, tuple[Pa
                 at, text = f"{label}/{name}", PROMPTS[name]
                 jobs.append(Job("specli plain", at, specli_cmd(args, target, text, ["--target-only"]), "specli"))
                 for n_opt in (str(n), "auto"):
-                    mode = ["-d", str(draft), "-n", n_opt]
+                    mode = ["-d", str(draft), "--draft-max", n_opt]
                     jobs.append(Job(f"specli draft n={n_opt}", at, specli_cmd(args, target, text, mode), "specli"))
                 jobs.append(Job("native plain", at, native_cmd(args, target, files[name], NATIVE_PLAIN), "spec-simple"))
                 draft_simple = ["-md", str(draft), "--spec-type", "draft-simple"]

@@ -67,8 +67,8 @@ def test_good_and_bad_lines_in_order_with_run_equal_content(tmp_path, pair_pertu
         {"id": "last", "prompt": PROMPTS[3]},
     ])  # fmt: skip
     out = tmp_path / "out.jsonl"
-    # A fixed -n: with -n auto the drafting decisions follow timings, so passes could differ.
-    result = specli("batch", str(src), "-o", str(out), "-m", target, "--lookup", "-n", "4", "--max-tokens", "24", *GREEDY_ARGS)
+    # A fixed draft length: with auto the drafting decisions follow timings, so passes could differ.
+    result = specli("batch", str(src), "-o", str(out), "-m", target, "--lookup", "--draft-max", "4", "--max-tokens", "24", *GREEDY_ARGS)
     assert result.returncode == 1, result.stderr  # some lines failed
     assert result.stdout == ""
     records = read_records(out)
@@ -88,7 +88,7 @@ def test_good_and_bad_lines_in_order_with_run_equal_content(tmp_path, pair_pertu
     good = {r["id"]: r for r in records if "error" not in r}
     assert good["first"]["metadata"] == {"source": "test"}
     for item_id, prompt, max_tokens in (("first", PROMPTS[0], "24"), (2, PROMPTS[1], "7"), ("last", PROMPTS[3], "24")):
-        expected = run_json(target, prompt, "--lookup", "-n", "4", "--max-tokens", max_tokens, *GREEDY_ARGS)
+        expected = run_json(target, prompt, "--lookup", "--draft-max", "4", "--max-tokens", max_tokens, *GREEDY_ARGS)
         got = good[item_id]
         for key in ("text", "token_ids", "n_tokens", "stop_reason", "draft", "n_draft", "sampling", "seed"):
             assert got[key] == expected[key], key
@@ -97,7 +97,7 @@ def test_good_and_bad_lines_in_order_with_run_equal_content(tmp_path, pair_pertu
         assert got["stats"]["drafted"] == expected["stats"]["drafted"]
 
     # Again on the same output: the good items are skipped, the bad lines fail again, once each.
-    again = specli("batch", str(src), "-o", str(out), "-m", target, "--lookup", "-n", "4", "--max-tokens", "24", *GREEDY_ARGS)
+    again = specli("batch", str(src), "-o", str(out), "-m", target, "--lookup", "--draft-max", "4", "--max-tokens", "24", *GREEDY_ARGS)
     assert again.returncode == 1, again.stderr
     assert "7 error record(s) from the earlier run are retried" in again.stderr
     assert "3 done" not in again.stderr and "0 done, 7 failed, 3 skipped" in again.stderr
@@ -129,12 +129,12 @@ def test_item_sampling_fields_override_the_command_line(tmp_path, pair_perturbed
         {"id": "hot", "prompt": PROMPTS[0], "temperature": 1.3, "seed": 7, "top_k": 0},
         {"id": "cli", "prompt": PROMPTS[0]},
     ])  # fmt: skip
-    # A fixed -n: with -n auto a seed replays the distribution, not the text (README).
-    result = specli("batch", str(src), "-m", target, "-d", draft, "-n", "4", "--max-tokens", "20", "--temperature", "0.9", "--seed", "3", "-q", *ONE)
+    # A fixed draft length: with auto a seed replays the distribution, not the text (README).
+    result = specli("batch", str(src), "-m", target, "-d", draft, "--draft-max", "4", "--max-tokens", "20", "--temperature", "0.9", "--seed", "3", "-q", *ONE)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     hot, cli = map(json.loads, result.stdout.splitlines())
-    expected_hot = run_json(target, PROMPTS[0], "-d", draft, "-n", "4", "--max-tokens", "20", "--temperature", "1.3", "--seed", "7", "--top-k", "0")
-    expected_cli = run_json(target, PROMPTS[0], "-d", draft, "-n", "4", "--max-tokens", "20", "--temperature", "0.9", "--seed", "3")
+    expected_hot = run_json(target, PROMPTS[0], "-d", draft, "--draft-max", "4", "--max-tokens", "20", "--temperature", "1.3", "--seed", "7", "--top-k", "0")
+    expected_cli = run_json(target, PROMPTS[0], "-d", draft, "--draft-max", "4", "--max-tokens", "20", "--temperature", "0.9", "--seed", "3")
     assert hot["token_ids"] == expected_hot["token_ids"] and hot["sampling"] == expected_hot["sampling"] and hot["seed"] == 7
     assert cli["token_ids"] == expected_cli["token_ids"] and cli["seed"] == 3
 

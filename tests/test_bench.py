@@ -195,6 +195,74 @@ def test_best_overall_needs_an_n_measured_everywhere():
     assert bench.best_overall([row("a", 0, 1.0)]) is None
 
 
+# --- noise: the spread over rounds, and speedups no drafting can reach ----------------------------
+
+
+def paired(scenario, prompt, round_, n, tps, **kw):
+    return {**record(scenario, n, tps, **kw), "prompt": prompt, "round": round_}
+
+
+def rounds_of(ratios_by_prompt: dict[str, list[float]], tokens=20, passes=10) -> list[dict]:
+    """Records for N=2 at the given speedups per prompt and round (target-only at 100 tok/s)."""
+    records = []
+    for prompt, ratios in ratios_by_prompt.items():
+        for r, ratio in enumerate(ratios):
+            records.append(paired("a", prompt, r, 0, 100.0))
+            records.append(paired("a", prompt, r, 2, 100.0 * ratio, tokens=tokens, passes=passes, drafted=12, accepted=10, rejections=2))
+    return records
+
+
+def test_the_spread_is_over_rounds_each_round_the_median_of_its_prompts(tmp_path):
+    # Per round: p 0.8 / q 1.0 -> 0.9, then 1.6, then 1.3. Per run the lowest would be 0.8.
+    base, spec = bench.aggregate(rounds_of({"p": [0.8, 1.5, 1.2], "q": [1.0, 1.7, 1.4]}))
+    assert spec.speedup == pytest.approx(1.3)  # the median over all runs, as before
+    assert (spec.speedup_min, spec.speedup_max, spec.rounds) == (pytest.approx(0.9), pytest.approx(1.6), 3)
+    assert base.speedup_min is None and not base.impossible  # target-only is the 1.0 everything is held to
+    one_round = bench.aggregate(rounds_of({"p": [1.5]}))[1]
+    assert one_round.speedup_min is None and one_round.rounds == 0
+    # The JSON summary gains the fields and keeps every earlier one.
+    out = tmp_path / "out.json"
+    bench.write_json(out, {}, [], [base, spec])
+    summary = json.loads(out.read_text(encoding="utf-8"))["summary"][1]
+    assert {"speedup", "tokens_per_pass", "expected", "mean_draft_length"} <= set(summary)
+    assert summary["speedup_min"] == pytest.approx(0.9) and summary["rounds"] == 3 and summary["impossible"] is False
+
+
+def test_a_best_n_whose_rounds_straddle_target_only_is_within_noise():
+    straddling = bench.aggregate(rounds_of({"p": [0.8, 1.5, 1.3]}))[1]  # median 1.3: "yes" on its own
+    word, why = bench.verdict(straddling)
+    assert word == bench.WITHIN_NOISE == "within noise"
+    assert "rounds 0.80-1.50x" in why and "both sides of target-only" in why
+    steady = bench.aggregate(rounds_of({"p": [1.25, 1.5, 1.3]}))[1]
+    assert bench.verdict(steady)[0] == "yes" and "rounds 1.25-1.50x" in bench.verdict(steady)[1]
+    slower = bench.aggregate(rounds_of({"p": [0.6, 0.7, 0.9]}))[1]
+    assert bench.verdict(slower)[0] == "no"
+    assert bench.verdict(bench.aggregate(rounds_of({"p": [1.5]}))[1])[0] == "yes"  # one round: no spread to judge by
+
+
+def test_a_speedup_above_tokens_per_pass_is_flagged_impossible(capsys):
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from specli.cli import bench as cli_bench
+
+    # 11 tokens in 10 target passes: 1.10 tokens per pass, so at most 1.10x; it "measured" 2.37x.
+    base, spec = bench.aggregate(rounds_of({"p": [2.37]}, tokens=11, passes=10))
+    assert spec.tokens_per_pass == pytest.approx(1.1) and spec.speedup == pytest.approx(2.37)
+    assert spec.impossible and bench.above_bound(spec.speedup, spec.tokens_per_pass)
+    assert not bench.above_bound(1.1, 1.1)  # at the bound is possible (free drafts, equal passes)
+    word, why = bench.verdict(spec)
+    assert word == "within noise" and "impossible above its 1.10 tokens per target pass" in why
+    plan = SimpleNamespace(mode="lookup", target_path=Path("t.gguf"))
+    cli_bench._report([base, spec], {}, plan, [2], 1)
+    out = capsys.readouterr().out
+    assert "2.37x!" in out and "1.00x!" not in out
+    (footnote,) = [line for line in out.splitlines() if line.startswith("x!:")]
+    assert "speedup <= tokens/pass" in footnote and "measurement fault" in footnote
+    assert "a: use speculative decoding? within noise — best N=2: 2.37x" in out
+    assert "One round: noise unmeasured" in out  # --repeat 1: said once, before the verdicts
+
+
 # --- schedule ------------------------------------------------------------------------------
 
 
@@ -297,7 +365,7 @@ def test_bench_command_runs_every_configuration(pair_perturbed, tmp_path):
     )  # fmt: skip
     out_json, out_csv = tmp_path / "out.json", tmp_path / "out.csv"
     result = specli(
-        "bench", "-m", target, "-d", draft, "--n", "1,3", "--max-tokens", "8", "--repeat", "1",
+        "bench", "-m", target, "-d", draft, "--draft-max", "1,3", "--max-tokens", "8", "--repeat", "1",
         "--prompts", str(prompts), "--json", str(out_json), "--csv", str(out_csv),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -330,7 +398,7 @@ def test_bench_usage_errors_are_one_line(tmp_path):
     bad.write_text('{"prompt": "x"}\nnot json\n', encoding="utf-8")
     for args, fragment in (
         (("--prompts", str(bad)), "line 2"),
-        (("--n", "1,zero"), "'zero' is not a number"),
+        (("--n", "1,zero"), "'zero' is not a number"),  # --n: the older spelling of --draft-max
         (("--repeat", "0"), "Invalid value for '--repeat'"),
         (("--json", str(tmp_path / "missing" / "o.json")), "does not exist"),
     ):

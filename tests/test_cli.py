@@ -37,8 +37,8 @@ def assert_one_line_error(result, exit_code: int, *fragments: str):
 
 def test_stdout_is_exactly_the_generated_text(pair_perturbed):
     target, draft = map(str, pair_perturbed)
-    # A fixed -n: with -n auto the draft lengths follow timings, and so do the random draws.
-    args = ("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30", "--seed", "5", "-n", "4")
+    # A fixed draft length: with auto the draft lengths follow timings, and so do the random draws.
+    args = ("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30", "--seed", "5", "--draft-max", "4")
     plain = specli(*args)
     as_json = specli(*args, "--json")
     assert plain.returncode == 0 and as_json.returncode == 0, plain.stderr + as_json.stderr
@@ -51,7 +51,7 @@ def test_stdout_is_exactly_the_generated_text(pair_perturbed):
 
 def test_json_has_every_field(pair_perturbed):
     target, draft = map(str, pair_perturbed)
-    result = specli("run", "Hello there", "-m", target, "-d", draft, "-n", "3", "--max-tokens", "12", "--json")
+    result = specli("run", "Hello there", "-m", target, "-d", draft, "--draft-max", "3", "--max-tokens", "12", "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert JSON_KEYS <= out.keys() and STATS_KEYS <= out["stats"].keys()
@@ -76,9 +76,22 @@ def test_a_seed_with_auto_draft_lengths_says_how_to_replay_exactly(pair_perturbe
     target, draft = map(str, pair_perturbed)
     args = ("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "8", "--temperature", "0.9", "--seed", "4")
     auto = specli(*args)
-    assert auto.returncode == 0 and "add a fixed -n" in auto.stderr
-    fixed = specli(*args, "-n", "4")
-    assert fixed.returncode == 0 and "add a fixed -n" not in fixed.stderr
+    assert auto.returncode == 0 and "add a fixed --draft-max" in auto.stderr
+    fixed = specli(*args, "--draft-max", "4")
+    assert fixed.returncode == 0 and "add a fixed --draft-max" not in fixed.stderr
+
+
+def test_the_seed_note_is_one_short_line_and_only_where_a_seed_cannot_replay(pair_perturbed):
+    target, draft = map(str, pair_perturbed)
+    args = ("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "8", "--seed", "4")
+    sampled = specli(*args, "--temperature", "0.9")  # draft length auto (the default)
+    assert sampled.returncode == 0, sampled.stderr
+    notes = [line for line in sampled.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and len(notes[0]) <= 80, sampled.stderr
+    assert "--draft-max" in notes[0] and sum("replay" in line for line in sampled.stderr.splitlines()) == 1
+    for quiet_args in (("--temperature", "0"), ("--temperature", "0.9", "--num-speculative-tokens", "4")):
+        other = specli(*args, *quiet_args)  # greedy, or a fixed draft length: the seed replays the text
+        assert other.returncode == 0 and "note:" not in other.stderr, other.stderr
 
 
 def test_auto_keeps_its_measurements_for_the_next_run(tmp_path, pair_perturbed):
@@ -97,7 +110,7 @@ def test_auto_keeps_its_measurements_for_the_next_run(tmp_path, pair_perturbed):
         again = specli(*args, env={"SPECLI_CACHE_DIR": str(cache)})
         assert again.returncode == 0, again.stderr
         lines = again.stderr.strip().splitlines()  # the notice, then the summary (and maybe advice on acceptance)
-        assert "ignored the saved -n auto measurements" in lines[0] and "Traceback" not in again.stderr, again.stderr
+        assert "ignored the saved --draft-max auto measurements" in lines[0] and "Traceback" not in again.stderr, again.stderr
         assert sum("ignored the saved" in line for line in lines) == 1
         assert json.loads(again.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
         assert json.loads(state_file.read_text())["version"] == 4  # rewritten whole, from this run alone
@@ -105,16 +118,16 @@ def test_auto_keeps_its_measurements_for_the_next_run(tmp_path, pair_perturbed):
     listed = specli("cache", env={"SPECLI_CACHE_DIR": str(cache)})
     assert "ignored: it is not JSON" in listed.stdout
     verbose = specli(*args, "--verbose", env={"SPECLI_CACHE_DIR": str(cache)})
-    assert "ignored the saved -n auto measurements" in verbose.stderr and "it is not JSON" in verbose.stderr
+    assert "ignored the saved --draft-max auto measurements" in verbose.stderr and "it is not JSON" in verbose.stderr
     cleared = specli("cache", "--clear", env={"SPECLI_CACHE_DIR": str(cache)})
     assert cleared.returncode == 0 and "removed 1 file" in cleared.stderr and not list(cache.glob("policy-*"))
-    fixed = specli(*args, "-n", "4", env={"SPECLI_CACHE_DIR": str(tmp_path / "other")})
-    assert fixed.returncode == 0 and not (tmp_path / "other").exists()  # a fixed -n measures nothing
+    fixed = specli(*args, "--draft-max", "4", env={"SPECLI_CACHE_DIR": str(tmp_path / "other")})
+    assert fixed.returncode == 0 and not (tmp_path / "other").exists()  # a fixed length measures nothing
 
 
 def test_sampling_is_reproducible_from_the_reported_seed(pair_perturbed):
     target, draft = map(str, pair_perturbed)
-    args = ("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30", "--json", "--temperature", "1.5", "-n", "4")
+    args = ("run", "Once upon a time", "-m", target, "-d", draft, "--max-tokens", "30", "--json", "--temperature", "1.5", "--draft-max", "4")
     first = json.loads(specli(*args).stdout)
     assert first["sampling"] == {
         "temperature": 1.5, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
@@ -169,7 +182,7 @@ def test_empty_prompt(pair_perturbed):
 
 @pytest.mark.parametrize("n", ["0", "-3", "1000", "five"])
 def test_draft_length_out_of_range(pair_perturbed, n):
-    assert_one_line_error(specli("run", "hi", "-m", str(pair_perturbed[0]), "-n", n), 2, "-n must be 'auto' or")
+    assert_one_line_error(specli("run", "hi", "-m", str(pair_perturbed[0]), "--draft-max", n), 2, "--draft-max must be 'auto' or")
 
 
 @pytest.mark.parametrize("option, value, message", [

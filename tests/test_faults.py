@@ -106,7 +106,7 @@ def test_writes_that_fail_are_one_line(tmp_path, pair_perturbed):
 def test_drafts_longer_than_a_small_context_batch_are_cut_to_fit(pair_perturbed, ctx, n_draft):
     target = str(pair_perturbed[0])
     greedy = ["-m", target, "-c", ctx, "--temperature", "0", "--max-tokens", "60", "--json", "-q", *ONE]
-    drafted = specli("run", REPEATING, "--lookup", "-n", n_draft, *greedy)
+    drafted = specli("run", REPEATING, "--lookup", "--draft-max", n_draft, *greedy)
     plain = specli("run", REPEATING, "--target-only", *greedy)
     assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr + plain.stderr
     assert json.loads(drafted.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]

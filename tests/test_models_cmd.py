@@ -100,6 +100,9 @@ def test_fit_suggests_a_smaller_context():
     (("-m", "no-such-model"), "unknown model"),
     (("-m", "/nonexistent/m.gguf"), "not found"),
     (("--n-draft", "0"), "--n-draft"),
+    (("--draft-max", "0"), "Invalid value for '--draft-max'"),
+    # fit generates nothing: llama.cpp's -n (tokens to generate) is refused, not taken as N.
+    (("-n", "5"), "No such option: -n"),
     (("-m", "mistral-large"), "size_bytes"),
 ])
 def test_fit_bad_input_is_one_line_exit_2(args, fragment, empty_hf_cache):

@@ -41,7 +41,9 @@ except KeyboardInterrupt:
     _exit_interrupted()
 
 app = typer.Typer(
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
+    # -h as well as --help, as llama.cpp's tools take it; subcommands inherit it from this context.
+    context_settings={"help_option_names": ["-h", "--help"]},
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -141,4 +143,9 @@ def _click_message(err) -> str:
     command = f"specli {ctx.info_name}" if ctx is not None and ctx.parent is not None else "specli"
     # Typer words a refused choice "Value error, 'x' is not one of ...": the prefix says nothing.
     message = err.format_message().replace(": Value error, ", ": ")
+    # -n was the draft length until it became llama.cpp's tokens to generate: `-n auto` (or
+    # bench's `-n 2,4`) from an older script is told where the draft length went.
+    param = getattr(err, "param", None)
+    if param is not None and "--n-predict" in getattr(param, "opts", ()) and "integer" in message:
+        message += "; -n is now the number of tokens to generate, as in llama.cpp: the draft length is --draft-max"
     return f"{message} (see '{command} --help')"

@@ -19,12 +19,12 @@ import typer
 
 from specli.errors import EXIT_INTERRUPTED
 from specli.cli.options import (
-    Drafting, Memory, Models, Quiet, Sampling, Threads, Verbose, error_message, flatten, load_models, max_tokens_option,
-    model_choice,
+    Drafting, Memory, Models, Quiet, Sampling, Stop, Threads, Verbose, error_message, flatten, load_models, max_tokens_option,
+    model_choice, stop_strings,
 )  # fmt: skip
-from specli.cli.run import result_json
+from specli.cli.run import ChatFlag, System, Template, result_json
 from specli.decoding.sampling import sampling_json
-from specli.errors import EXIT_RUNTIME, UsageError
+from specli.errors import EXIT_RUNTIME, SpecliError, UsageError
 from specli.files import ExclusiveLock, LockBusy, check_writable, replace_text, write_atomically
 from specli.session import batch
 
@@ -51,16 +51,21 @@ def batch_command(
     models: Models,
     drafting: Drafting,
     max_tokens: int = max_tokens_option("Generated tokens at most per item (an item's max_tokens overrides it)."),
+    stop: Stop = None,
     memory: Memory,
     threads: Threads = None,
     quiet: Quiet = False,
     verbose: Verbose = False,
     sampling: Sampling,
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for every item (default: a fresh one per item, reported in its record)."),
+    chat: ChatFlag = False,
+    system: System = None,
+    template: Template = None,
 ) -> int:
     """Generate for every prompt of INPUT with the models loaded once; one JSON record per line
     (in input order), a summary on stderr. Re-running with the same output resumes."""
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
+    stops = stop_strings(stop)
     _check_parallel(parallel, memory.n_ctx)
     out_path = _check_output(output, input_path, resume=resume, overwrite=overwrite)
     if summary_path is not None:
@@ -69,21 +74,27 @@ def batch_command(
     try:
         return _batch(
             input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens,
-            quiet=quiet, verbose=verbose, force=force,
+            quiet=quiet, verbose=verbose, force=force, stop=stops, chat=(chat or system is not None or template is not None, system, template),
         )  # fmt: skip
     finally:
         if lock is not None:
             lock.release()
 
 
-def _batch(input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens, *, quiet, verbose, force=False) -> int:
+def _batch(input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens, *, quiet, verbose, force=False, stop=(),
+           chat=(False, None, None)) -> int:
     """The run itself, with the output (if a file) locked."""
     from specli.llama.native import init_backend
     from specli.session.loading import plan
 
     lines = batch.read_input(input_path, sys.stdin.buffer)
     fmt = batch.detect_format(input_path, lines, input_format)
-    entries = batch.parse_lines(lines, fmt, choice.sampling, max_tokens)
+    use_chat, system, template = chat
+    if template is not None:
+        from specli.session.chat import check_template_name
+
+        check_template_name(template)  # before the (slow) load
+    entries = batch.parse_lines(lines, fmt, choice.sampling, max_tokens, chat=use_chat, system=system, stop=stop)
     previous = batch.read_previous(out_path) if out_path is not None and out_path.exists() and not overwrite else None
 
     init_backend(verbose=verbose)
@@ -94,7 +105,8 @@ def _batch(input_path, output, out_path, overwrite, summary_path, parallel, inpu
         print(_resume_notice(out_path, previous, entries), file=sys.stderr)
     loaded = load_models(the_plan, choice, quiet=quiet, verbose=verbose)
     try:
-        summary = _run(loaded, the_plan, choice, entries, previous, out_path, parallel, quiet=quiet or verbose)
+        prepare = _chat_renderer(loaded.model_tgt, template, entries, quiet=quiet)
+        summary = _run(loaded, the_plan, choice, entries, previous, out_path, parallel, quiet=quiet or verbose, prepare=prepare)
     finally:
         loaded.close()
 
@@ -200,7 +212,7 @@ def _resume_notice(path: Path, previous: batch.Previous, entries: list[batch.Ent
     return text + " (--overwrite starts over)"
 
 
-def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, quiet: bool) -> batch.Summary:
+def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, quiet: bool, prepare=None) -> batch.Summary:
     """Generate every item not yet done, writing each record as it completes."""
     from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, run_sequential
 
@@ -228,10 +240,10 @@ def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, qui
             loaded.model_tgt, the_plan.mode, loaded.decoder.n_draft_label, parallel, n_threads=choice.threads,
             model_dft=loaded.model_dft, describe=error_message,
         )  # fmt: skip
-        events = runner.run(_items_writing_errors(todo, writer, summary))
+        events = runner.run(_items_writing_errors(todo, writer, summary, prepare))
     else:
         pool = DecoderPool(loaded.model_tgt, loaded.decoder.drafter, loaded.decoder.n_draft_label)
-        events = run_sequential(pool, _items_writing_errors(todo, writer, summary), describe=error_message)
+        events = run_sequential(pool, _items_writing_errors(todo, writer, summary, prepare), describe=error_message)
 
     n_items = sum(isinstance(entry, batch.Item) for entry in todo)
     progress = _Progress(n_items, enabled=not quiet and sys.stderr.isatty(), with_drafting=the_plan.mode != "target-only")
@@ -265,9 +277,34 @@ def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, qui
     return summary
 
 
-def _items_writing_errors(entries, writer, summary):
-    """The items to generate, in order; bad lines are written as error records on the way."""
+def _chat_renderer(model_tgt, template, entries, *, quiet: bool):
+    """What readies a chat item (its conversation rendered with the chat template `chat` and
+    `run --chat` pick, and tokenized), or None when no item is one. A model template that
+    cannot be used at all is a UsageError here, before any item runs."""
+    if not any(isinstance(e, batch.Item) and e.messages is not None for e in entries):
+        return None
+    from specli.session.chat import choose_formatter, encode
+
+    formatter, notice = choose_formatter(model_tgt, template)
+    if notice and not quiet:
+        print(notice, file=sys.stderr)
+
+    def prepare(item: batch.Item) -> None:
+        if item.messages is not None:
+            item.prompt_ids = encode(model_tgt, formatter.render(None, item.messages))
+
+    return prepare
+
+
+def _items_writing_errors(entries, writer, summary, prepare=None):
+    """The items to generate, in order; bad lines, and chat items whose conversation the
+    template refuses, are written as error records on the way."""
     for entry in entries:
+        if prepare is not None and isinstance(entry, batch.Item):
+            try:
+                prepare(entry)
+            except SpecliError as err:
+                entry = batch.LineError(entry.line, entry.id, error_message(err))
         if isinstance(entry, batch.LineError):
             writer.write(entry.record())
             summary.failed += 1

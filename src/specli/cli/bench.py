@@ -30,7 +30,7 @@ commands = typer.Typer()
 def bench_command(
     *,
     models: Models,
-    ns_text: str = typer.Option(",".join(map(str, bench.DEFAULT_NS)), "--n", "-n", help="Draft lengths N to measure, comma-separated (target-only always runs too)."),
+    ns_text: str = typer.Option(",".join(map(str, bench.DEFAULT_NS)), "--draft-max", "--n", "--spec-draft-n-max", "--num-speculative-tokens", help="Draft lengths N to measure, comma-separated (target-only always runs too)."),
     repeat: int = typer.Option(1, "--repeat", min=1, help="Rounds: each runs every prompt and configuration once, interleaved; the tables show medians."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: one prompt per line, or JSONL with \"prompt\" and optional \"name\", \"scenario\". Default: the built-in set."),
     max_tokens: int = max_tokens_option("Generated tokens per run (long-form runs twice this, short chat at most 48).", 128),
@@ -163,6 +163,14 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _spread(row: bench.Row) -> str:
+    """The row's lowest-highest speedup over rounds, or "-" (one round, or target-only); "x!"
+    when the highest is above the row's tokens per pass."""
+    if row.speedup_min is None or row.speedup_max is None:
+        return "-"
+    return f"{row.speedup_min:.2f}-{row.speedup_max:.2f}" + ("x!" if bench.above_bound(row.speedup_max, row.tokens_per_pass) else "x")
+
+
 def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: list[int], repeat: int) -> None:
     """The tables, best N and verdicts, on stdout (Rich; plain text when not a terminal).
     held_out: bench.held_out_best's figure per scenario."""
@@ -174,20 +182,28 @@ def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: lis
     if the_plan.mode == "hybrid":
         drafter = f"prompt lookup, else draft model {the_plan.draft_path.name}"
     out.print(f"target {the_plan.target_path.name}, {drafter}; median of {repeat} round(s) per configuration")
+    faults = 0  # rows whose speedup is above their tokens per pass
     for scenario in dict.fromkeys(row.scenario for row in rows):
         table = Table(title=scenario, title_justify="left")
-        for header in ("N", "tok/s", "speedup", "acceptance", "drafts/pass", "tokens/pass", "draft ms/tok", "verify ms/tok", "α", "c", "expected"):
+        for header in ("N", "tok/s", "speedup", "spread", "acceptance", "drafts/pass", "tokens/pass", "draft ms/tok", "verify ms/tok", "α", "c", "expected"):
             table.add_column(header, justify="right")
         for row in (r for r in rows if r.scenario == scenario):
+            impossible = bench.above_bound(row.speedup, row.tokens_per_pass)
+            faults += impossible or bench.above_bound(row.speedup_max, row.tokens_per_pass)
             table.add_row(
-                str(row.n) if row.n else "target-only", _fmt(row.tokens_per_s, ".1f"), _fmt(row.speedup, ".2f", "x"),
+                str(row.n) if row.n else "target-only", _fmt(row.tokens_per_s, ".1f"),
+                _fmt(row.speedup, ".2f", "x!" if impossible else "x"), _spread(row),
                 _fmt(row.acceptance, ".0%"), _fmt(row.mean_draft_length, ".1f"), _fmt(row.tokens_per_pass, ".2f"),
                 _fmt(row.draft_ms_per_token, ".2f"),
                 _fmt(row.verify_ms_per_token, ".2f"), _fmt(row.alpha, ".2f"), _fmt(row.cost_ratio, ".3f"),
                 _fmt(row.expected, ".2f", "x"),
             )  # fmt: skip
         out.print(table)
+    if faults:
+        out.print("x!: impossible, above tokens/pass (a target pass costs at least a plain one, so speedup <= "
+                  "tokens/pass): a measurement fault")  # fmt: skip
     out.print(
+        "spread: the lowest-highest speedup over the rounds (--repeat 2 or more): what noise alone moves. "
         "N auto: the draft length chosen each step (drafts/pass is its mean). "
         "α: per-token acceptance (accepted / (accepted + rejecting steps)); c: draft time per drafted token / "
         "target one-token pass time; expected: Leviathan et al. (1-α^(N+1))/((1-α)(Nc+1)), which ignores "
@@ -203,8 +219,11 @@ def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: lis
             against = f", {auto.speedup / best_fixed.speedup:.2f} of the best fixed N={best_fixed.n} ({best_fixed.speedup:.2f}x)"
         if auto.speedup is not None and held_out.get(scenario):
             against += f", {auto.speedup / held_out[scenario]:.2f} of an N picked on the other rounds ({held_out[scenario]:.2f}x)"
+        noise = ""
+        if best_fixed is not None and best_fixed.speedup is not None and bench.within_noise(auto, best_fixed.speedup):
+            noise = f"; the best fixed N's {best_fixed.speedup:.2f}x lies within auto's rounds: within noise"
         out.print(f"{scenario}: auto {_fmt(auto.speedup, '.2f', 'x')} target-only{against}, "
-                  f"{_fmt(auto.mean_draft_length, '.1f')} drafts per pass")  # fmt: skip
+                  f"{_fmt(auto.mean_draft_length, '.1f')} drafts per pass{noise}")  # fmt: skip
     worst = bench.worst_against_best(rows)
     if bench.AUTO in worst and len(worst) > 1:
         fixed = ", ".join(f"N={n} {r:.2f}" for n, r in worst.items() if n != bench.AUTO)
@@ -216,6 +235,9 @@ def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: lis
         out.print(f"Worst scenario against an N picked on the other rounds: auto {low.speedup / held_out[low.scenario]:.2f} "
                   f"({low.scenario}; a sweep's best figure is the highest of several noisy ones, a pick scored on "
                   "rounds it did not see is not)")  # fmt: skip
+    if repeat < 2:
+        out.print("One round: noise unmeasured, so a verdict may flip from one bench to the next; "
+                  "--repeat 3 shows each speedup's spread and says when it is within noise")  # fmt: skip
     for scenario in dict.fromkeys(row.scenario for row in rows):
         word, why = bench.verdict(best.get(scenario), lookup=the_plan.mode == "lookup")
         out.print(f"{scenario}: use speculative decoding? {word} — {why}")

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from specli.cli.options import (
-    Drafting, Memory, Models, Quiet, Sampling, ShowAccept, Threads, Verbose, flatten, load_models, max_tokens_option,
-    model_choice,
+    Drafting, Memory, Models, Quiet, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models, max_tokens_option,
+    model_choice, stop_strings,
 )  # fmt: skip
 from specli.session.loading import plan
 
@@ -23,6 +23,7 @@ def chat(
     models: Models,
     drafting: Drafting,
     max_tokens: int = max_tokens_option("Generated tokens at most per reply."),
+    stop: Stop = None,
     memory: Memory,
     threads: Threads = None,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt for the conversation."),
@@ -34,11 +35,12 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling (default: a fresh one per reply)."),
 ) -> int:
     """Chat with a model: replies streamed to stdout, per-turn stats on stderr; /help lists the commands."""
-    from specli.cli.render import stream_generation, summary_line
+    from specli.cli.render import stream_generation, summary_line, terminal_width
     from specli.llama.native import init_backend
     from specli.session.chat import ChatOptions, ChatSession, LineReader, check_template_name, choose_formatter
 
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
+    stops = stop_strings(stop)
     reader = LineReader(sys.stdin, sys.stdout, sys.stderr)  # a bad SPECLI_MAX_INPUT_BYTES: before the load
     init_backend(verbose=verbose)
     if template is not None:
@@ -49,8 +51,10 @@ def chat(
         formatter, notice = choose_formatter(loaded.model_tgt, template)
         if notice and not quiet:
             print(notice, file=sys.stderr)
-        options = ChatOptions(max_tokens=max_tokens, system=system, quiet=quiet, verbose=verbose, show_accept=show_accept)
-        session = ChatSession(loaded, formatter, options, stream_generation=stream_generation, summary_line=summary_line)
+        options = ChatOptions(max_tokens=max_tokens, system=system, quiet=quiet, verbose=verbose, show_accept=show_accept, stop=stops)
+        # The terminal's width is read per reply: it may be resized during a chat.
+        summary = lambda stats, **kw: summary_line(stats, verbose=verbose, width=terminal_width(sys.stderr), **kw)  # noqa: E731
+        session = ChatSession(loaded, formatter, options, stream_generation=stream_generation, summary_line=summary)
         return session.loop(reader)
     finally:
         loaded.close()

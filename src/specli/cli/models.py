@@ -394,7 +394,9 @@ def fit_cmd(
     kv_type: Literal[KV_TYPES] = typer.Option("f16", "--kv-type", help="KV cache type."),
     # (Typer's range refuses nan and inf too)
     overhead_gb: float = typer.Option(2.0, "--overhead-gb", min=0, max=1e6, help="Compute buffers and runtime, in GB (the guide's 2)."),
-    n_draft: int = typer.Option(5, "--n-draft", min=1, max=MAX_DRAFT, help="Draft tokens per step N (sizes the logits buffer)."),
+    # run's spellings of the draft length (--n-draft: fit's older one); no -n here: fit generates
+    # nothing, so llama.cpp's -n (tokens to generate) would mean nothing either.
+    n_draft: int = typer.Option(5, "--draft-max", "--n-draft", "--spec-draft-n-max", "--num-speculative-tokens", min=1, max=MAX_DRAFT, help="Draft tokens per step N (sizes the logits buffer)."),
     device: Optional[str] = typer.Option(None, "--device", help="GPU to fit into, by index or name (default: the one with most free memory)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
@@ -561,7 +563,7 @@ def cache_json(now: float) -> list[dict]:
 def _print_cache(rows: list[dict], now: float) -> None:
     from specli.session.loading import cache_dir
 
-    print(f"{cache_dir()}: {len(rows)} file(s) of -n auto measurements")
+    print(f"{cache_dir()}: {len(rows)} file(s) of --draft-max auto measurements")
     for row in rows:
         print()
         if "ignored" in row:
@@ -596,7 +598,7 @@ def cache_cmd(
     clear: bool = typer.Option(False, "--clear", help="Forget every saved measurement (the next runs start fresh)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON array instead of text."),
 ) -> int:
-    """Show what `-n auto` has learnt per target and drafter (pass costs, acceptance, when and
+    """Show what `--draft-max auto` has learnt per target and drafter (pass costs, acceptance, when and
     from how many samples), or forget it with --clear."""
     import time
 
@@ -614,7 +616,7 @@ def cache_cmd(
                 pass
             except OSError as err:
                 raise SpecliError(f"cannot remove {path}: {err.strerror}; check its permissions") from None
-        print(f"specli: removed {removed} file(s) of -n auto measurements from {folder}", file=sys.stderr)
+        print(f"specli: removed {removed} file(s) of --draft-max auto measurements from {folder}", file=sys.stderr)
         return 0
     rows = cache_json(now)
     if json_out:

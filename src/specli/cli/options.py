@@ -6,8 +6,12 @@ Typer sees a flat signature while the command receives one object per group (uv 
 shared argument structs the same way). `model_choice` turns the groups into the ModelChoice the
 core plans and loads from.
 
-Ranges: Typer checks the plain ones (-c, --threads at least 1, --max-tokens) as it parses; the
-sampling ranges are SamplingParams.validate's, and -n is parsed by the engine's rule.
+Ranges: Typer checks the plain ones (-c, --threads at least 1, -n/--max-tokens) as it parses; the
+sampling ranges are SamplingParams.validate's, and --draft-max is parsed by the engine's rule.
+
+Spellings follow llama.cpp's where the meaning is the same (-n tokens to generate, --draft-max,
+-md, -ngl, -ngld, -c, -p), so a llama-cli habit does what it says. Click takes a declared
+"-ngl" (one dash, several letters) as a long option, so `-ngl 99` is not `-n gl`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from specli.decoding.engine import MAX_DRAFT, parse_draft_length
+from specli.decoding.engine import MAX_DRAFT, check_stop, parse_draft_length
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SettingError, SpecliError, UsageError
 from specli.llama.context import MAX_CTX, MIN_CTX
@@ -43,7 +47,8 @@ MAX_NGL = 10_000
 OPTION_NAMES = {
     "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
     "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "--seed",
-    "n_draft": "-n", "n_ctx": "-c", "max_tokens": "--max-tokens",
+    "n_draft": "--draft-max", "n_ctx": "-c", "max_tokens": "--max-tokens",
+    "stop": "--stop",
 }  # fmt: skip
 
 
@@ -55,11 +60,11 @@ def error_message(err: SpecliError) -> str:
 
 
 def parse_n_draft(text: str) -> int | str:
-    """-n's value as Typer parses it: "auto" or a number of drafts."""
+    """--draft-max's value as Typer parses it: "auto" or a number of drafts."""
     try:
         return parse_draft_length(text)
     except ValueError as err:
-        raise UsageError(f"-n must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step; {err}") from None
+        raise UsageError(f"--draft-max must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step; {err}") from None
 
 
 # --- the option groups ----------------------------------------------------------------------------
@@ -68,18 +73,20 @@ class Models:
     """The target, and the draft model or prompt lookup (run, chat, batch, bench, fit)."""
 
     model: Annotated[Optional[str], typer.Option("-m", "--model", help="Target model: a GGUF path or a models.toml name. Default: models.toml's default (shipped: the embedded Gemma 3 270M).")] = None
-    draft: Annotated[Optional[str], typer.Option("-d", "--draft", help="Draft model: a GGUF path or a models.toml name (same tokenizer as the target).")] = None
+    draft: Annotated[Optional[str], typer.Option("-d", "-md", "--draft", "--model-draft", help="Draft model: a GGUF path or a models.toml name (same tokenizer as the target).")] = None
     lookup: Annotated[bool, typer.Option("--lookup", help="Draft by prompt lookup (copying from the text so far); no draft model.")] = False
 
 
 @dataclass
 class Drafting:
-    """Whether to draft, and how many tokens (run, chat, batch; bench sweeps its own -n)."""
+    """Whether to draft, and how many tokens (run, chat, batch; bench sweeps its own --draft-max)."""
 
     target_only: Annotated[bool, typer.Option("--target-only", help="Plain decoding with the target alone: the baseline.")] = False
     # Parsed as Typer reads it: "auto", a number of drafts, or None when not given.
     n_draft: Annotated[Optional[str], typer.Option(
-        "-n", "--num-speculative-tokens", metavar="auto|N", parser=parse_n_draft,
+        # llama.cpp's names; --num-speculative-tokens is specli's older one (-n was, before it
+        # became llama.cpp's tokens to generate).
+        "--draft-max", "--spec-draft-n-max", "--num-speculative-tokens", metavar="auto|N", parser=parse_n_draft,
         help=f"Draft tokens per step: 'auto' (default: chosen each step from measured costs and acceptance) or a fixed number 1-{MAX_DRAFT}.",
     )] = None  # fmt: skip
 
@@ -89,8 +96,8 @@ class Memory:
     """The context and where the layers go (run, chat, batch, bench, fit)."""
 
     n_ctx: Annotated[int, typer.Option("-c", "--ctx", min=MIN_CTX, max=MAX_CTX, help="Context size in tokens (prompt + output).")] = _CHOICE.n_ctx
-    ngl: Annotated[int, typer.Option("--ngl", help="Target layers to offload to the GPU (-1 = all).")] = _CHOICE.ngl
-    draft_ngl: Annotated[int, typer.Option("--draft-ngl", help="Draft model layers to offload to the GPU (-1 = all).")] = _CHOICE.draft_ngl
+    ngl: Annotated[int, typer.Option("-ngl", "--ngl", "--n-gpu-layers", help="Target layers to offload to the GPU (-1 = all).")] = _CHOICE.ngl
+    draft_ngl: Annotated[int, typer.Option("-ngld", "--draft-ngl", "--n-gpu-layers-draft", help="Draft model layers to offload to the GPU (-1 = all).")] = _CHOICE.draft_ngl
 
     def check(self) -> None:
         """UsageError unless --ngl and --draft-ngl are -1 (all layers) or 0..MAX_NGL."""
@@ -121,11 +128,18 @@ Threads = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU th
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr except errors.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log and tracebacks.")]
 ShowAccept = Annotated[bool, typer.Option("--show-accept", help="On a terminal, colour text that came from accepted drafts.")]
+Stop = Annotated[Optional[list[str]], typer.Option("--stop", metavar="TEXT", help="End the output where this text appears (repeatable); the text itself is not output.")]
+
+
+def stop_strings(stop: Optional[list[str]]) -> tuple[str, ...]:
+    """--stop's values, checked before any model loads (an empty one is refused)."""
+    return check_stop(stop or ())
 
 
 def max_tokens_option(help: str, default: int = DEFAULT_MAX_TOKENS) -> Any:
-    """--max-tokens, with what it means for the command (per reply, per item, per run)."""
-    return typer.Option(default, "--max-tokens", min=1, help=help)
+    """-n/--n-predict/--max-tokens (llama.cpp's -n: tokens to generate), with what it means for
+    the command (per reply, per item, per run)."""
+    return typer.Option(default, "-n", "--n-predict", "--max-tokens", min=1, help=help)
 
 
 def flatten(command: Callable[..., Any]) -> Callable[..., Any]:

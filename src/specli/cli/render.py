@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 import time
 from typing import Callable, TextIO
 
@@ -60,7 +61,8 @@ def status_text(stats: Stats, *, with_drafting: bool) -> Text:
         line.append(f"{rate:.0%}" if rate is not None else "-", style=_rate_style(rate))
         line.append(f" ({stats.accepted}/{stats.drafted})")
         if stats.mean_tokens_per_pass:
-            line.append(f"  {stats.mean_draft_length:.1f} drafted → {stats.mean_tokens_per_pass:.2f} tok/pass")
+            # Each number beside its unit: "0.5 drafted →" read like a count of drafted tokens.
+            line.append(f"  drafted/pass {stats.mean_draft_length:.1f}  tok/pass {stats.mean_tokens_per_pass:.2f}")
         line.append(f"  draft {stats.draft_s:.2f}s / verify {stats.verify_s:.2f}s", style="dim")
     return line
 
@@ -155,17 +157,66 @@ def _same_terminal(a: TextIO, b: TextIO) -> bool:
         return False
 
 
-def summary_line(stats: Stats, *, stop_reason: str | None, with_drafting: bool) -> str:
-    """The one-line summary printed to stderr at the end of a run."""
-    parts = [f"{stats.n_tokens} tokens in {stats.generation_s:.2f}s"]
-    if stats.tokens_per_s:
-        parts.append(f"{stats.tokens_per_s:.1f} tok/s")
+SUMMARY_SEP = " · "
+SUMMARY_WIDTH = 100  # where the summary breaks when stderr is not a terminal (a log, a pipe)
+
+
+def terminal_width(stream: TextIO) -> int | None:
+    """The width of the terminal `stream` writes to, or None when it is not a terminal or does
+    not know its size (a new pty reports 0 columns)."""
+    try:
+        return (os.get_terminal_size(stream.fileno()).columns or None) if stream.isatty() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def summary_line(
+    stats: Stats, *, stop_reason: str | None, with_drafting: bool, verbose: bool = False,
+    width: int | None = None, extra: tuple[str, ...] = (),
+) -> str:  # fmt: skip
+    """The summary printed to stderr at the end of a run: the essentials (tokens, time, tok/s,
+    acceptance, tokens per pass, then `extra`, then the stop reason), about 80 characters.
+    The details (counts, draft/verify and prompt times) follow on the same line when `width`
+    (a terminal's) holds it all, else on a line of their own with `verbose`, else not at all.
+    Lines longer than `width` (None: SUMMARY_WIDTH) break between segments, never in a word
+    (an 80-column terminal wrapped the old 170-character line mid-word)."""
+    essentials = [f"{stats.n_tokens} tokens in {stats.generation_s:.2f}s"]
+    essentials.append(f"{stats.tokens_per_s:.1f} tok/s" if stats.tokens_per_s else "- tok/s")
+    details = []
     if with_drafting:
-        parts.extend(stats.drafting_summary())
-        parts.append(f"draft {stats.draft_s:.2f}s, verify {stats.verify_s:.2f}s")
-    parts.append(f"prompt {stats.prompt_tokens} tokens in {stats.prompt_s:.2f}s")
-    parts.append(f"stop: {stop_reason}")
-    return " · ".join(parts)
+        rate = stats.acceptance_rate
+        essentials.append(f"accepted {rate:.0%}" if rate is not None else "nothing drafted")
+        if stats.drafted and stats.mean_tokens_per_pass:
+            essentials.append(f"{stats.mean_tokens_per_pass:.2f} tok/pass")
+            details.append(f"{stats.accepted} of {stats.drafted} drafts accepted")
+            details.append(f"drafted/pass {stats.mean_draft_length:.1f}")
+        if stats.target_passes:
+            # Plain decoding takes one target pass per token: what drafting saved, in passes.
+            essentials.append(f"{stats.target_passes} passes ({max(0, stats.n_tokens - stats.target_passes)} saved)")
+        details.append(f"draft {stats.draft_s:.2f}s, verify {stats.verify_s:.2f}s")
+    essentials.extend(extra)
+    essentials.append(f"stop: {stop_reason}")
+    details.append(f"prompt {stats.prompt_tokens} tokens in {stats.prompt_s:.2f}s")
+    if width is not None and len(SUMMARY_SEP.join(essentials + details)) <= width:
+        return SUMMARY_SEP.join(essentials + details)
+    wrap_at = width if width is not None else SUMMARY_WIDTH
+    lines = [_fit(essentials, wrap_at)]
+    if verbose:
+        lines.append(_fit(details, wrap_at))
+    return "\n".join(lines)
+
+
+def _fit(parts: list[str], width: int) -> str:
+    """Join `parts` with SUMMARY_SEP, breaking lines between parts (and inside a part only at
+    spaces) so that no line is longer than `width`."""
+    width = max(width, 20)
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + len(SUMMARY_SEP) + len(part) <= width:
+            lines[-1] += SUMMARY_SEP + part
+        else:
+            lines.extend(textwrap.wrap(part, width, break_long_words=False, break_on_hyphens=False) or [""])
+    return "\n".join(lines)
 
 
 def low_acceptance_warning(stats: Stats, *, lookup: bool, adaptive: bool = False) -> str | None:
@@ -173,7 +224,7 @@ def low_acceptance_warning(stats: Stats, *, lookup: bool, adaptive: bool = False
     rate = stats.acceptance_rate
     if rate is None or rate >= LOW_ACCEPTANCE or stats.drafted < 8:
         return None
-    shorter = "-n auto already drafted less where drafts failed" if adaptive else "reduce -n (or use -n auto)"
+    shorter = "--draft-max auto already drafted less where drafts failed" if adaptive else "reduce --draft-max (or use --draft-max auto)"
     advice = (
         f"{shorter}, or use a draft model (-d); lookup drafts only pay where the output repeats the input"
         if lookup

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
 from specli.errors import EXIT_INTERRUPTED
 from specli.cli.options import (
-    Drafting, Memory, Models, Quiet, Sampling, ShowAccept, Threads, Verbose, flatten, load_models, max_tokens_option,
-    model_choice,
+    Drafting, Memory, Models, Quiet, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models, max_tokens_option,
+    model_choice, stop_strings,
 )  # fmt: skip
 from specli.decoding.sampling import sampling_json
 from specli.errors import UsageError
@@ -23,15 +23,22 @@ from specli.session.loading import plan
 
 commands = typer.Typer()
 
+# --chat and its companions (run and batch): instruct models expect their chat template.
+ChatFlag = Annotated[bool, typer.Option("--chat", help="Send the prompt as a user message in the model's chat template, ending with the assistant's turn (for instruct models).")]
+System = Annotated[Optional[str], typer.Option("--system", help="System prompt (implies --chat).")]
+Template = Annotated[Optional[str], typer.Option("--template", help="A llama.cpp built-in chat template (chatml, gemma, llama3, ...) instead of the model's own (implies --chat).")]
+
 
 @commands.command("run")
 @flatten
 def run(
     prompt: Optional[str] = typer.Argument(None, help="Text to continue. '-' (or nothing, with piped input) reads stdin."),
     *,
+    prompt_option: Optional[str] = typer.Option(None, "-p", "--prompt", help="The prompt as an option (llama.cpp's -p), instead of the PROMPT argument."),
     models: Models,
     drafting: Drafting,
     max_tokens: int = max_tokens_option("Stop after this many generated tokens."),
+    stop: Stop = None,
     memory: Memory,
     threads: Threads = None,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming text."),
@@ -40,20 +47,34 @@ def run(
     show_accept: ShowAccept = False,
     sampling: Sampling,
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling (default: a fresh one, reported in --json)."),
+    chat: ChatFlag = False,
+    system: System = None,
+    template: Template = None,
 ) -> int:
     """Generate a continuation of PROMPT, streamed to stdout, with live stats on stderr."""
-    from specli.cli.render import low_acceptance_warning, stream_generation, summary_line
+    from specli.cli.render import low_acceptance_warning, stream_generation, summary_line, terminal_width
     from specli.llama.native import init_backend
 
+    if prompt_option is not None and prompt is not None:
+        raise UsageError("the prompt is given twice (PROMPT and -p/--prompt); give one of them")
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
-    text = read_prompt(prompt)
+    stops = stop_strings(stop)
+    text = read_prompt(prompt_option if prompt_option is not None else prompt)
     init_backend(verbose=verbose)
+    chat = chat or system is not None or template is not None
+    if template is not None:
+        from specli.session.chat import check_template_name
+
+        check_template_name(template)  # before the (slow) load
     the_plan = plan(choice)
     loaded = load_models(the_plan, choice, quiet=quiet, verbose=verbose)
     try:
         model_tgt = loaded.model_tgt
-        prompt_ids = model_tgt.tokenize(text, add_bos=model_tgt.vocab_info().add_bos)
-        gen = loaded.decoder.generate(prompt_ids, max_tokens=max_tokens)
+        if chat:
+            prompt_ids = chat_prompt_ids(model_tgt, template, system, text, quiet=quiet)
+        else:
+            prompt_ids = model_tgt.tokenize(text, add_bos=model_tgt.vocab_info().add_bos)
+        gen = loaded.decoder.generate(prompt_ids, max_tokens=max_tokens, stop=stops)
         with_drafting = the_plan.mode != "target-only"
         interrupted = stream_generation(
             gen, sys.stdout, sys.stderr, show_text=not json_out, live=not quiet and not verbose,
@@ -63,7 +84,8 @@ def run(
             print(json.dumps(result_json(gen, the_plan), ensure_ascii=False))
             sys.stdout.flush()
         if not quiet:
-            print(summary_line(gen.stats, stop_reason=gen.stop_reason, with_drafting=with_drafting), file=sys.stderr)
+            print(summary_line(gen.stats, stop_reason=gen.stop_reason, with_drafting=with_drafting, verbose=verbose,
+                               width=terminal_width(sys.stderr)), file=sys.stderr)  # fmt: skip
             warning = (
                 low_acceptance_warning(gen.stats, lookup=the_plan.mode == "lookup", adaptive=loaded.decoder.adaptive)
                 if with_drafting else None
@@ -71,12 +93,23 @@ def run(
             if warning:
                 print(warning, file=sys.stderr)
             if seed is not None and not the_plan.sampling.greedy and loaded.decoder.adaptive:
-                print("note: with -n auto the draft lengths follow timings and the random draws follow them: "
-                      "this seed replays the distribution, not this text; add a fixed -n (e.g. -n 5) to replay "
-                      "a sampled run exactly", file=sys.stderr)  # fmt: skip
+                # Only here does a seed not replay the text: auto's draft lengths follow timings,
+                # and the random draws follow the draft lengths. One short line, not a lecture.
+                print("note: to replay this exact text, add a fixed --draft-max (auto follows timings)", file=sys.stderr)
         return EXIT_INTERRUPTED if interrupted else 0
     finally:
         loaded.close()
+
+
+def chat_prompt_ids(model, template: Optional[str], system: Optional[str], text: str, *, quiet: bool) -> list[int]:
+    """The tokens of `text` as one user message (after `system`) in the chat template that
+    `specli chat` would pick, with the assistant's turn opened."""
+    from specli.session.chat import choose_formatter, encode
+
+    formatter, notice = choose_formatter(model, template)
+    if notice and not quiet:
+        print(notice, file=sys.stderr)
+    return encode(model, formatter.render(system, [{"role": "user", "content": text}]))
 
 
 def read_prompt(prompt: Optional[str]) -> str:

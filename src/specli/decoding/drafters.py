@@ -6,7 +6,7 @@ Every drafter follows one small protocol (after HF transformers' candidate gener
 - propose(context, n_max, judge): a Proposal of up to n_max tokens that might follow `context`
   (prompt + output so far), with the distributions q they were drawn from when there are any;
   the judge (decoding/policy) says how many are worth proposing, and for a draft model, token by
-  token from its confidence, when to stop (fixed -n: exactly n_max);
+  token from its confidence, when to stop (fixed --draft-max: exactly n_max);
 - update(n_drafted, n_accepted): how the target judged the latest proposal.
 
 Drafters never see logits of the target and cannot change the output: only its speed.
@@ -68,13 +68,13 @@ class DraftModelDrafter:
     only the tokens it has not seen (the target's own token, plus the last draft after a full
     accept) — never the whole history.
 
-    After a stretch of plain decoding (`-n auto` not drafting) the cache is behind. Catching up
+    After a stretch of plain decoding (`--draft-max auto` not drafting) the cache is behind. Catching up
     is one batch pass over the tokens missed: about 1% of the time those plain steps took on the
     synthetic pairs (a 1-block draft for a 9-block target), but 10% when the draft model costs as
     much as its target (Gemma 270M Q4 for its F16: a re-probe after 128 plain steps would cost
     about as much as 13 of them). A draft that starts over from a short window guesses badly
     (a90's first-token acceptance: 0.26-0.45 from 16 tokens, 0.84-1.0 from all of them), which
-    would make `-n auto`'s re-probes fail where drafting pays. So the cache catches up in full
+    would make `--draft-max auto`'s re-probes fail where drafting pays. So the cache catches up in full
     when that costs at most CATCH_UP_SHARE of the time since the last proposal (from the draft
     model's measured batch speed), and otherwise, when more than CATCH_UP_LIMIT tokens behind,
     starts over on a window: the context's first token (BOS) and its last CATCH_UP_LIMIT tokens,
@@ -140,7 +140,7 @@ class DraftModelDrafter:
         self._context_len = len(view)
         tokens: list[int] = []
         q_rows: list[np.ndarray] | None = None if self.sampling.greedy else []
-        # The draft's confidence steers -n auto token by token in greedy decoding only. A sampled
+        # The draft's confidence steers --draft-max auto token by token in greedy decoding only. A sampled
         # token's q (T 0.8, a90 pair) stopped proposals where drafting on paid: auto 1.34x
         # against 1.53x from per-position acceptance alone (N=12: 1.55x).
         confidences: list[float] | None = [] if judge.wants_confidence and q_rows is None else None

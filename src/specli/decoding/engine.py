@@ -21,6 +21,7 @@ pass runs is theirs.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -40,14 +41,15 @@ STOP_EOS = "eos"
 STOP_MAX_TOKENS = "max_tokens"
 STOP_CONTEXT_FULL = "context_full"
 STOP_INTERRUPTED = "interrupted"
+STOP_STRING = "stop"  # the text reached one of the generation's stop strings
 
 MAX_DRAFT = 64  # draft lengths beyond this only waste target work
 AUTO = "auto"
-AUTO_MAX_DRAFT = 64  # the longest draft `-n auto` considers (text copied verbatim pays up to native's 48-64)
+AUTO_MAX_DRAFT = 64  # the longest draft `--draft-max auto` considers (text copied verbatim pays up to native's 48-64)
 
 
 def parse_draft_length(text: str) -> int | str:
-    """`-n`'s value as typed: "auto" or a whole number of drafts from 1 to MAX_DRAFT. Raises
+    """`--draft-max`'s value as typed: "auto" or a whole number of drafts from 1 to MAX_DRAFT. Raises
     ValueError saying what is wrong (callers put it in their own words)."""
     text = text.strip()
     if text.lower() == AUTO:
@@ -59,6 +61,39 @@ def parse_draft_length(text: str) -> int | str:
     if not 1 <= n <= MAX_DRAFT:
         raise ValueError(f"got {n}")
     return n
+
+
+def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
+    """The stop strings as a tuple; SettingError("stop") for an empty one (it would match at once)."""
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise SettingError("stop", lambda name: f"{name} needs non-empty text (an empty stop string would end every generation at once)")
+    return stop
+
+
+def first_stop(text: str, start: int, stop: Sequence[str]) -> int | None:
+    """Where the first stop string to be completed in `text` after position `start` begins
+    (None: none is). Scanning end positions in order makes the cut the one a character-by-
+    character stream would find, however the text is split into tokens; at one end position
+    the longest stop string wins (it begins first)."""
+    by_length = sorted(stop, key=len, reverse=True)
+    for end in range(start + 1, len(text) + 1):
+        for s in by_length:
+            if text.endswith(s, 0, end):
+                return end - len(s)
+    return None
+
+
+def partial_stop_len(text: str, stop: Sequence[str]) -> int:
+    """The length of the longest end of `text` that begins a stop string without completing
+    it: text that must be held back until what follows shows whether a stop string is there."""
+    longest = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
 
 
 @dataclass
@@ -87,8 +122,14 @@ class Generation:
     text: str = ""
     stop_reason: str | None = None
     stats: Stats = field(default_factory=Stats)
+    # Stop strings: the generation ends at the first one completed in its text; neither it nor
+    # anything after it is output (`text`), and token_ids end with the token holding the text's
+    # last character (the token in which the stop string begins, when it begins mid-token).
+    stop: tuple[str, ...] = ()
     _steps: Iterator[Step] | None = None
     _stream: TextStream | None = None
+    _held: str = ""  # decoded text not released yet: it may be the start of a stop string
+    _starts: list[int] = field(default_factory=list)  # with stop strings: each token's offset in the text
 
     def __iter__(self) -> Iterator[Step]:
         assert self._steps is not None
@@ -115,6 +156,8 @@ class Generation:
                 emitted, stop = tokens[:i], STOP_EOS
                 break
         n_from_draft = min(n_accepted, len(emitted))
+        if self.stop:
+            return self._record_stopping(emitted, n_from_draft, n_drafted, stop, source)
         text_drafted = self._stream.feed(emitted[:n_from_draft])
         text_own = self._stream.feed(emitted[n_from_draft:])
         self.token_ids.extend(emitted)
@@ -124,12 +167,56 @@ class Generation:
             self.finish(stop)
         return Step(emitted, text_drafted, text_own, n_drafted=n_drafted, n_accepted=n_from_draft)
 
+    def _record_stopping(self, emitted: list[int], n_from_draft: int, n_drafted: int, stop: str | None, source: str | None) -> Step:
+        """record() with stop strings: the text is searched token by token (a stop string may
+        span tokens, or lie inside an accepted draft); what may begin a stop string is held back
+        until the next text settles it; at a stop string the generation ends, cut right before it."""
+        base = len(self.text)  # the offset of `_held` (and so of `buffer`) in the whole text
+        buffer, n_held = self._held, len(self._held)
+        cut = None  # the stop string's offset in `buffer`
+        drafted_end = n_held  # where the accepted drafts' text ends in `buffer`
+        for i, token in enumerate(emitted):
+            self._starts.append(base + len(buffer))
+            piece = self._stream.feed([token])
+            searched, buffer = len(buffer), buffer + piece
+            if i < n_from_draft:
+                drafted_end = len(buffer)
+            cut = first_stop(buffer, max(0, searched), self.stop) if piece else None
+            if cut is not None:
+                break
+        if cut is None:
+            keep = len(buffer) - partial_stop_len(buffer, self.stop)
+            released, self._held = buffer[:keep], buffer[keep:]
+            kept = emitted
+        else:
+            released, self._held = buffer[:cut], ""
+            # Tokens that begin before the cut hold output text; later ones (in this step, or
+            # held from an earlier one) are the stop string's and are dropped.
+            n_keep = bisect_left(self._starts, base + cut)
+            n_before = len(self.token_ids)
+            kept = emitted[: max(0, n_keep - n_before)]
+            if n_keep < n_before:
+                del self.token_ids[n_keep:]
+                self.stats.n_tokens -= n_before - n_keep
+            del self._starts[n_keep:]
+            stop = STOP_STRING
+        n_from_draft = min(n_from_draft, len(kept))
+        # (text held back from an earlier step is shown with this step's drafts, if it has any)
+        split = min(drafted_end, len(released)) if n_from_draft else 0
+        self.token_ids.extend(kept)
+        self.text += released
+        self.stats.record_step(n_drafted, n_from_draft, len(kept), source=source if n_drafted else None)
+        if stop is not None:
+            self.finish(stop)
+        return Step(kept, released[:split], released[split:], n_drafted=n_drafted, n_accepted=n_from_draft)
+
     def finish(self, reason: str) -> None:
-        """Stop with `reason` (one of the STOP_* values); flushes the text of a pending character."""
+        """Stop with `reason` (one of the STOP_* values); flushes the text held back (a pending
+        character, a possible start of a stop string) unless a stop string cut the text."""
         self.stop_reason = reason
-        if self._stream is not None:
-            self.text += self._stream.flush()
-            self._stream = None
+        if self._stream is not None and reason != STOP_STRING:
+            self.text += self._held + self._stream.flush()
+        self._held, self._stream = "", None
 
 
 class SpeculativeDecoder:
@@ -166,7 +253,7 @@ class SpeculativeDecoder:
             self.judge = self.policy
         elif isinstance(n_draft, int) and 1 <= n_draft <= MAX_DRAFT:
             self.n_draft = n_draft
-        else:  # (the CLI parses -n first; library callers, tests and benchmarks, do not)
+        else:  # (the CLI parses --draft-max first; library callers, tests and benchmarks, do not)
             raise SettingError("n_draft", lambda name: f"{name} must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
 
     @property
@@ -175,17 +262,19 @@ class SpeculativeDecoder:
 
     @property
     def n_draft_label(self) -> int | str:
-        """-n as the user would write it: "auto" or the fixed length (0 without a drafter)."""
+        """--draft-max as the user would write it: "auto" or the fixed length (0 without a drafter)."""
         return AUTO if self.adaptive else self.n_draft
 
-    def generate(self, prompt_ids: Sequence[int], *, max_tokens: int) -> Generation:
-        """Start generating after `prompt_ids` (which must include BOS if the model wants it)."""
-        seq = self.sequence(prompt_ids, max_tokens=max_tokens, cache=self.model_tgt, max_pass=self.model_tgt.n_batch)
+    def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, stop: Sequence[str] = ()) -> Generation:
+        """Start generating after `prompt_ids` (which must include BOS if the model wants it);
+        it ends at the first of the `stop` strings (Generation.stop)."""
+        seq = self.sequence(prompt_ids, max_tokens=max_tokens, cache=self.model_tgt, max_pass=self.model_tgt.n_batch, stop=stop)
         seq.gen._steps = self._steps(seq)
         return seq.gen
 
     def sequence(
-        self, prompt_ids: Sequence[int], *, max_tokens: int, cache: LlamaModel | SequenceView, max_pass: int
+        self, prompt_ids: Sequence[int], *, max_tokens: int, cache: LlamaModel | SequenceView, max_pass: int,
+        stop: Sequence[str] = (),
     ) -> "SequenceStep":
         """A generation after `prompt_ids` for a loop that runs the target's passes itself.
 
@@ -208,7 +297,7 @@ class SpeculativeDecoder:
         if not self.sampling.greedy:
             # A fresh seed is drawn when none is given, and reported, so any run can be replayed.
             seed = self.sampling.seed if self.sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
-        gen = Generation(prompt_ids=prompt, seed=seed, _stream=TextStream(self.model_tgt.piece))
+        gen = Generation(prompt_ids=prompt, seed=seed, stop=check_stop(stop), _stream=TextStream(self.model_tgt.piece))
         return SequenceStep(self, gen, cache, max_tokens, max_pass)
 
     def _steps(self, seq: "SequenceStep") -> Iterator[Step]:
@@ -241,7 +330,7 @@ class SequenceStep:
     policy told). The loop that runs the passes calls, per sequence:
 
         seq.begin()                     # the prompt into the cache, the drafter started
-        while not seq.ended():          # max_tokens, a full context, an end-of-generation token
+        while not seq.ended():          # max_tokens, a full context, an end-of-generation token, a stop string
             tokens = seq.plan()         # [last, d1..dk]
             rows = <the target's pass over tokens, logits for every position>
             step = seq.commit(rows, pass_s, cpu_s=..., share=...)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 from specli.decoding.drafters import WITH_DRAFT_MODEL, Drafter, make_drafter
 from specli.decoding.engine import AUTO, AUTO_MAX_DRAFT, Generation, SequenceStep, SpeculativeDecoder, Step
@@ -34,6 +34,7 @@ class Item(Protocol):
     prompt: str
     max_tokens: int
     sampling: SamplingParams
+    stop: Sequence[str]  # the item's stop strings (engine.py's Generation.stop)
 
 
 # How a front end words a SpecliError for an item's record (the CLI: its option names).
@@ -62,6 +63,9 @@ class DecoderPool:
 
 def tokenize_item(model_tgt: LlamaModel, item: Item) -> list[int]:
     """The item's prompt tokens (the engine refuses a prompt that leaves no room to generate)."""
+    ids = getattr(item, "prompt_ids", None)  # a chat item comes rendered and tokenized (batch --chat)
+    if ids is not None:
+        return list(ids)
     return model_tgt.tokenize(item.prompt, add_bos=model_tgt.vocab_info().add_bos)
 
 
@@ -80,7 +84,7 @@ def run_sequential(pool: DecoderPool, items: Iterable[Item], describe: Describe 
     for item in items:
         try:
             prompt_ids = tokenize_item(model_tgt, item)
-            gen = pool.get(item).generate(prompt_ids, max_tokens=item.max_tokens)
+            gen = pool.get(item).generate(prompt_ids, max_tokens=item.max_tokens, stop=item.stop)
             for step in gen:
                 yield step
         except Exception as err:  # this item fails, the batch goes on
@@ -117,7 +121,7 @@ class ParallelRunner:
     (`model_dft`) draft through their own sequence of a second multi-sequence context on the
     draft model's weights: one draft cache per sequence. (Each slot's draft passes run on their
     own; only the target's passes are shared.)
-    With `-n auto` each slot's policy sizes its drafts; a shared pass is charged to each
+    With `--draft-max auto` each slot's policy sizes its drafts; a shared pass is charged to each
     sequence in proportion to the tokens it put into it (an approximation: one sequence's
     extra drafts widen a pass that the others share).
     """
@@ -191,7 +195,7 @@ class ParallelRunner:
     def _start(self, s: int, item: Item, prompt_ids: list[int]) -> _Slot:
         """Put the prompt (all but `last`) into sequence s and set up its generation."""
         seq = self.pools[s].get(item).sequence(
-            prompt_ids, max_tokens=item.max_tokens, cache=self.views[s],
+            prompt_ids, max_tokens=item.max_tokens, cache=self.views[s], stop=item.stop,
             max_pass=self.seqs.n_batch // self.seqs.n_seq,  # (every sequence's part fits the shared batch)
         )  # fmt: skip
         self.seqs.clear(s)  # (each item starts from an empty cache)

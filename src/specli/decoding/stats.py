@@ -12,7 +12,7 @@
   history), so not evaluated again; prompt_tokens - prompt_reused were evaluated.
 - draft_s: time spent proposing drafts; verify_s: time in target passes and verification.
 - wall_s: prompt_s + generation time, all in.
-- draft_lengths[k]: target passes that checked k drafts (with `-n auto`, the lengths the
+- draft_lengths[k]: target passes that checked k drafts (with `--draft-max auto`, the lengths the
   policy chose); mean_draft_length = drafted / target_passes.
 - by_source: drafted and accepted per drafter ("lookup", "draft-model"): the hybrid drafter
   uses both.
@@ -81,7 +81,8 @@ class Stats:
         rate = self.acceptance_rate
         parts = [f"accepted {rate:.0%} ({self.accepted}/{self.drafted})" if rate is not None else "nothing drafted"]
         if self.drafted and self.mean_tokens_per_pass:
-            parts.append(f"{self.mean_draft_length:.1f} drafted, {self.mean_tokens_per_pass:.2f} tokens per pass")
+            # "drafted/pass 0.5", not "0.5 drafted": a mean per pass, not a count.
+            parts.append(f"drafted/pass {self.mean_draft_length:.1f}, {self.mean_tokens_per_pass:.2f} tokens per pass")
         return parts
 
     def add(self, other: "Stats") -> None:

@@ -1,4 +1,5 @@
-"""llama.cpp's chat templates (for `specli chat`): its built-in names and rendering a conversation.
+"""Chat templates (for `specli chat`, and `run`/`batch` with --chat): llama.cpp's built-in ones
+by name, and a model's own Jinja template rendered in a sandbox.
 
 A model's own template is read by LlamaModel.chat_template().
 """
@@ -8,7 +9,12 @@ from __future__ import annotations
 import ctypes
 from typing import Sequence
 
+import jinja2
+import jinja2.ext
 import llama_cpp
+from jinja2.exceptions import SecurityError, TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 
 def builtin_chat_templates() -> list[str]:
@@ -41,3 +47,69 @@ def apply_chat_template(template: str, messages: Sequence[tuple[str, str]], *, a
             return buf.raw[:n].decode("utf-8", errors="replace")
         size = n + 1
     return None
+
+
+# --- a model's own template (Jinja) --------------------------------------------------------------
+class TemplateRenderError(Exception):
+    """A chat template that cannot be compiled or rendered; the message is one line naming the
+    problem. unsafe: the sandbox refused what the template tried to do."""
+
+    def __init__(self, problem: str, *, unsafe: bool = False):
+        super().__init__(" ".join(problem.split()))  # one line, whatever the template raised
+        self.unsafe = unsafe
+
+
+class _TemplateRaised(Exception):
+    """raise_exception() called by the template itself (e.g. "roles must alternate")."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox (as Hugging Face and llama-cpp-python's Jinja2ChatFormatter use),
+    except that an unsafe attribute (`__class__`, `list.append`) stops the rendering at once: the
+    stock sandbox renders it as an empty value, so a hostile template would still render."""
+
+    def unsafe_undefined(self, obj: object, attribute: str):
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
+
+
+class JinjaTemplate:
+    """A GGUF's `tokenizer.chat_template`, compiled once in the sandbox.
+
+    The environment matches llama-cpp-python's Jinja2ChatFormatter (trim_blocks, lstrip_blocks,
+    the `{% generation %}` tag, loop controls, Transformers' `tojson`, raise_exception,
+    strftime_now). Raises TemplateRenderError when the source does not compile.
+    """
+
+    def __init__(self, source: str, *, bos_token: str, eos_token: str):
+        env = _StrictSandbox(
+            loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
+            extensions=[Jinja2ChatFormatter.IgnoreGenerationTags, jinja2.ext.loopcontrols],
+        )  # fmt: skip
+        env.filters["tojson"] = Jinja2ChatFormatter.tojson
+        env.globals.update(raise_exception=_raise_exception, strftime_now=Jinja2ChatFormatter.strftime_now)
+        self.bos_token, self.eos_token = bos_token, eos_token
+        try:
+            self._template = env.from_string(source)
+        except TemplateSyntaxError as err:
+            raise TemplateRenderError(f"Jinja syntax error on line {err.lineno}: {err.message}") from None
+        except Exception as err:  # anything else the compiler refuses
+            raise TemplateRenderError(f"it does not compile: {type(err).__name__}: {err}") from None
+
+    def render(self, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True) -> str:
+        """The (role, content) messages as text, ending with the opening of the assistant's turn
+        when add_assistant. Raises TemplateRenderError for whatever stops the template."""
+        try:
+            return self._template.render(
+                messages=[{"role": role, "content": content} for role, content in messages],
+                bos_token=self.bos_token, eos_token=self.eos_token, add_generation_prompt=add_assistant,
+            )  # fmt: skip
+        except SecurityError as err:
+            raise TemplateRenderError(f"the sandbox refused it: {err}", unsafe=True) from None
+        except _TemplateRaised as err:
+            raise TemplateRenderError(f"the template refuses this conversation: {err}") from None
+        except Exception as err:  # the template's own code failed (a type error, an undefined name...)
+            raise TemplateRenderError(f"{type(err).__name__}: {err}") from None

@@ -20,10 +20,11 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Union
+from typing import IO, Optional, Union
 
 from specli.errors import UsageError
 from specli.files import read_limited, strip_bom, write_atomically
+from specli.decoding.engine import check_stop
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SettingError
 from specli.decoding.stats import Stats
@@ -35,7 +36,8 @@ SAMPLING_FIELDS = {
 }  # fmt: skip
 # `metadata` is carried to the output unchanged; any other field is an error (a typo such as
 # "temprature" would otherwise sample with the default without a word).
-ITEM_FIELDS = ("prompt", "id", "max_tokens", "metadata", *SAMPLING_FIELDS)
+ITEM_FIELDS = ("prompt", "id", "max_tokens", "stop", "metadata", *SAMPLING_FIELDS, "system", "messages")
+MESSAGE_ROLES = ("system", "user", "assistant")
 FORMATS = ("auto", "jsonl", "text")
 
 ItemId = Union[int, str]
@@ -51,6 +53,11 @@ class Item:
     max_tokens: int
     sampling: SamplingParams
     echo: dict = field(default_factory=dict)  # fields copied to the output record (metadata)
+    # A chat item (--chat, --system, or its own `system`/`messages`): the conversation to render
+    # with the chat template (system first, if any; the last message the user's), else None.
+    messages: Optional[list[dict]] = None
+    prompt_ids: Optional[list[int]] = None  # the rendered conversation's tokens, set just before it runs
+    stop: tuple[str, ...] = ()  # stop strings: the item's `stop`, else the command line's --stop
 
 
 @dataclass
@@ -114,15 +121,18 @@ def detect_format(path: str, lines: list[bytes], fmt: str) -> str:
     return "jsonl" if first.startswith(b"{") else "text"
 
 
-def parse_lines(lines: list[bytes], fmt: str, sampling: SamplingParams, max_tokens: int) -> list[Entry]:
+def parse_lines(lines: list[bytes], fmt: str, sampling: SamplingParams, max_tokens: int, *,
+                chat: bool = False, system: Optional[str] = None, stop: tuple[str, ...] = ()) -> list[Entry]:
     """Items (and errors for bad lines) in input order; `sampling` and `max_tokens` are the
-    command line's defaults. A later line repeating an earlier id is an error."""
+    command line's defaults, and so are `chat` (every prompt is a user message for the chat
+    template) and `system` (the system prompt of chat items without their own; implies chat).
+    `stop` is --stop's strings. A later line repeating an earlier id is an error."""
     entries: list[Entry] = []
     seen: dict[str, int] = {}
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
-        entry = _parse_line(number, raw, fmt, sampling, max_tokens)
+        entry = _parse_line(number, raw, fmt, sampling, max_tokens, chat or system is not None, system, stop)
         key = id_key(entry.id)
         if key in seen:
             entry = LineError(number, entry.id, f"id {entry.id!r} was already used on line {seen[key]}; give each line its own id")
@@ -132,13 +142,15 @@ def parse_lines(lines: list[bytes], fmt: str, sampling: SamplingParams, max_toke
     return entries
 
 
-def _parse_line(number: int, raw: bytes, fmt: str, sampling: SamplingParams, max_tokens: int) -> Entry:
+def _parse_line(number: int, raw: bytes, fmt: str, sampling: SamplingParams, max_tokens: int,
+                chat: bool = False, system: Optional[str] = None, stop: tuple[str, ...] = ()) -> Entry:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         return LineError(number, number, f"the line is not UTF-8 text (bad byte at column {err.start + 1})")
     if fmt == "text":
-        return Item(number, number, text.rstrip("\r"), max_tokens, sampling)
+        prompt = text.rstrip("\r")
+        return Item(number, number, prompt, max_tokens, sampling, messages=_as_chat(prompt, system) if chat else None, stop=stop)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
@@ -151,13 +163,10 @@ def _parse_line(number: int, raw: bytes, fmt: str, sampling: SamplingParams, max
     unknown = [name for name in obj if name not in ITEM_FIELDS]
     if unknown:
         return LineError(number, item_id, f"unknown field {unknown[0]!r}; known fields: {', '.join(ITEM_FIELDS)} (put your own data under metadata)")
-    prompt = obj.get("prompt")
-    if prompt is None:
-        return LineError(number, item_id, 'no "prompt" field; every line needs {"prompt": "..."}')
-    if not isinstance(prompt, str):
-        return LineError(number, item_id, f"prompt must be a string, got {_json_type(prompt)}")
-    if not prompt.strip():
-        return LineError(number, item_id, "the prompt is empty; give some text for the model to continue")
+    conversation = _conversation(obj, chat, system)
+    if isinstance(conversation, str):
+        return LineError(number, item_id, conversation)
+    prompt, messages = conversation
     overrides = {}
     for name, kind in SAMPLING_FIELDS.items():
         if name in obj:
@@ -169,12 +178,73 @@ def _parse_line(number: int, raw: bytes, fmt: str, sampling: SamplingParams, max
     problem = _type_problem(item_max_tokens, int)
     if problem or item_max_tokens < 1:
         return LineError(number, item_id, f"max_tokens must be an integer >= 1, got {json.dumps(item_max_tokens)}")
+    item_stop = [obj["stop"]] if isinstance(obj.get("stop"), str) else obj.get("stop", stop)
+    if not isinstance(item_stop, (list, tuple)) or not all(isinstance(s, str) for s in item_stop):
+        return LineError(number, item_id, f"stop must be a string or a list of strings, got {json.dumps(obj['stop'])}")
     try:
         item_sampling = dataclasses.replace(sampling, **overrides).validate()
-    except SettingError as err:  # it names the field (top_k), as an item spells it
+        item_stop = check_stop(item_stop)
+    except SettingError as err:  # it names the field (top_k, stop), as an item spells it
         return LineError(number, item_id, str(err))
     echo = {"metadata": obj["metadata"]} if "metadata" in obj else {}
-    return Item(number, item_id, prompt, item_max_tokens, item_sampling, echo)
+    return Item(number, item_id, prompt, item_max_tokens, item_sampling, echo, messages=messages, stop=item_stop)
+
+
+def _as_chat(prompt: str, system: Optional[str]) -> list[dict]:
+    """A prompt as a chat item's conversation: the system prompt (if any), then the user's."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def _conversation(obj: dict, chat: bool, system: Optional[str]) -> tuple[str, Optional[list[dict]]] | str:
+    """A JSON item's (prompt, messages): `messages` is the conversation for the chat template
+    (see Item), None for a plain prompt; or what is wrong, as a string. The item's `system`
+    (or a first message with role system) replaces the command line's --system."""
+    if "prompt" in obj and "messages" in obj:
+        return 'give either "prompt" or "messages", not both'
+    if "system" in obj:
+        if not isinstance(obj["system"], str):
+            return f"system must be a string, got {_json_type(obj['system'])}"
+        chat, system = True, obj["system"]
+    if "messages" in obj:
+        messages = _check_messages(obj["messages"])
+        if isinstance(messages, str):
+            return messages
+        if messages[0]["role"] == "system":
+            if "system" in obj:
+                return 'the system prompt is given twice ("system" and a first message with role "system"); keep one'
+            return messages[-1]["content"], messages
+        return messages[-1]["content"], ([{"role": "system", "content": system}] if system else []) + messages
+    prompt = obj.get("prompt")
+    if prompt is None:
+        return 'no "prompt" field; every line needs {"prompt": "..."} (or {"messages": [...]} for a conversation)'
+    if not isinstance(prompt, str):
+        return f"prompt must be a string, got {_json_type(prompt)}"
+    if not prompt.strip():
+        return "the prompt is empty; give some text for the model to continue"
+    return prompt, _as_chat(prompt, system) if chat else None
+
+
+def _check_messages(value: object) -> list[dict] | str:
+    """`messages` as a list of {"role", "content"} dicts, or what is wrong with it."""
+    shape = '{"role": "user", "content": "..."}'
+    if not isinstance(value, list) or not value:
+        return f"messages must be a non-empty array of {shape} objects, got {_json_type(value) if value != [] else 'an empty array'}"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"messages[{i}] must be an object {shape}, got {_json_type(message)}"
+        extra = [name for name in message if name not in ("role", "content")]
+        if extra:
+            return f"messages[{i}] has an unknown field {extra[0]!r}; a message has role and content only"
+        role, content = message.get("role"), message.get("content")
+        if role not in MESSAGE_ROLES:
+            return f"messages[{i}].role must be one of {', '.join(MESSAGE_ROLES)}, got {json.dumps(role)}"
+        if not isinstance(content, str):
+            return f"messages[{i}].content must be a string, got {_json_type(content)}"
+        if role == "system" and i > 0:
+            return f"messages[{i}] has role system; only the first message may (or use the item's \"system\" field)"
+    if value[-1]["role"] != "user":
+        return f"the last message must be the user's (the model answers it), got role {value[-1]['role']}"
+    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def _type_problem(value: object, kind: type, *, allow_null: bool = False) -> str | None:
@@ -189,7 +259,7 @@ def _type_problem(value: object, kind: type, *, allow_null: bool = False) -> str
 
 
 def _json_type(value: object) -> str:
-    names = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+    names = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object", str: "a string"}
     return names.get(type(value), "null" if value is None else type(value).__name__)
 
 

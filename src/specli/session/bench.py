@@ -26,6 +26,7 @@ TARGET_ONLY = 0  # the configuration "N = 0": no drafting
 # Verdict thresholds on the best measured speedup (the guide's terms).
 YES_AT = 1.2
 MAYBE_AT = 1.0
+WITHIN_NOISE = "within noise"  # the verdict when the rounds disagree, or the figure is impossible
 
 LONG_FORM = "long-form"
 SHORT_CHAT = "short-chat"
@@ -112,7 +113,7 @@ def token_budget(prompt: BenchPrompt, max_tokens: int) -> int:
 
 
 def parse_ns(text: str) -> list[int | str]:
-    """`--n auto,8,2,4` -> ["auto", 2, 4, 8] (auto first, then sorted, no duplicates). Raises
+    """`--draft-max auto,8,2,4` -> ["auto", 2, 4, 8] (auto first, then sorted, no duplicates). Raises
     UsageError naming the bad item."""
     ns: set[int] = set()
     auto = False
@@ -120,7 +121,7 @@ def parse_ns(text: str) -> list[int | str]:
         try:
             n = parse_draft_length(item)
         except ValueError as err:
-            raise UsageError(f"--n takes 'auto' or draft lengths between 1 and {MAX_DRAFT}, separated by commas, like auto,2,4,8; {err}") from None
+            raise UsageError(f"--draft-max takes 'auto' or draft lengths between 1 and {MAX_DRAFT}, separated by commas, like auto,2,4,8; {err}") from None
         if n == AUTO:
             auto = True
         else:
@@ -255,6 +256,13 @@ class Row:
     cost_ratio: float | None  # c: draft time per drafted token / target one-token pass time
     expected: float | None  # expected_speedup(alpha, n, c) (fixed N only)
     mean_draft_length: float | None = None  # drafted / target passes (auto: what it chose)
+    # The spread over repeats: the lowest and highest of the per-round speedups (each round's
+    # median over its prompts, each run over its twin); None with fewer than two paired rounds.
+    speedup_min: float | None = None
+    speedup_max: float | None = None
+    rounds: int = 0  # rounds behind speedup_min/max
+    # The speedup is above tokens_per_pass, which no drafting can beat (see above_bound).
+    impossible: bool = False
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -318,6 +326,32 @@ def _paired_speedup(recs: list[dict], twins: dict[tuple, float]) -> float | None
     return statistics.median(ratios) if ratios else None
 
 
+def round_speedups(recs: list[dict], twins: dict[tuple, float]) -> list[float]:
+    """Per round (in order), the median over its runs of each run's tokens/s over its twin's:
+    what one repeat of the bench would have reported. Runs without a twin are left out."""
+    by_round: dict[int, list[float]] = {}
+    for rec in recs:
+        twin = twins.get(_twin_key(rec))
+        if twin and rec["tokens_per_s"] is not None:
+            by_round.setdefault(rec["round"], []).append(rec["tokens_per_s"] / twin)
+    return [statistics.median(by_round[r]) for r in sorted(by_round)]
+
+
+def above_bound(speedup: float | None, tokens_per_pass: float | None) -> bool:
+    """Whether a measured speedup beats tokens per target pass, which drafting cannot: every
+    target pass costs at least a plain one-token pass, so speedup <= tokens per pass. Above
+    it the measurement is at fault (timing noise, a slow spell during target-only runs)."""
+    return speedup is not None and tokens_per_pass is not None and speedup > tokens_per_pass
+
+
+def within_noise(row: Row, level: float = 1.0) -> bool | None:
+    """Whether `level` (1.0: target-only's speed) lies within the row's spread over repeats,
+    so that the rounds disagree on which side of it the row is. None: no spread measured."""
+    if row.speedup_min is None or row.speedup_max is None:
+        return None
+    return row.speedup_min <= level <= row.speedup_max
+
+
 def _median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -336,6 +370,8 @@ def _row(scenario: str, n: int, recs: list[dict], base_tps: float | None, pass_s
     draft_per_token = _ratio(_pooled(recs, "draft_s"), drafted) if n else None
     c = draft_per_token / pass_s if draft_per_token is not None and pass_s else None
     ms = lambda key: 1000 * _pooled(recs, key) / tokens if tokens else None  # noqa: E731
+    per_round = round_speedups(recs, twins or {}) if n != TARGET_ONLY else []
+    spread = (min(per_round), max(per_round)) if len(per_round) >= 2 else (None, None)
     return Row(
         scenario=scenario, n=n, runs=len(recs), tokens_per_s=tps,
         speedup=speedup,
@@ -344,6 +380,8 @@ def _row(scenario: str, n: int, recs: list[dict], base_tps: float | None, pass_s
         verify_ms_per_token=ms("verify_s"), cost_ratio=c,
         expected=expected_speedup(alpha, n, c) if is_fixed(n) and alpha is not None and c is not None else None,
         mean_draft_length=_ratio(drafted, passes) if n else None,
+        speedup_min=spread[0], speedup_max=spread[1], rounds=len(per_round) if spread[0] is not None else 0,
+        impossible=above_bound(speedup, _ratio(tokens, passes)),
     )  # fmt: skip
 
 
@@ -430,14 +468,23 @@ def held_out_best(records: list[dict]) -> dict[str, float]:
 
 
 def verdict(best: Row | None, *, lookup: bool = False) -> tuple[str, str]:
-    """("yes" | "maybe" | "no", why) for a scenario, from its best speculative row:
-    yes at a best speedup >= 1.2, maybe from 1.0 up to 1.2, no below 1.0. `lookup` words the
-    likely cause for prompt lookup rather than a draft model."""
+    """("yes" | "maybe" | "no" | "within noise", why) for a scenario, from its best speculative
+    row: within noise when its rounds straddle target-only's speed (1.0x) or its speedup is
+    above its tokens per pass (impossible: a measurement fault); else yes at a best speedup
+    >= 1.2, maybe from 1.0 up to 1.2, no below 1.0. `lookup` words the likely cause for prompt
+    lookup rather than a draft model."""
     if best is None or best.speedup is None:
         return "no", "nothing measured"
     gain = f"best N={best.n}: {best.speedup:.2f}x target-only"
+    if best.speedup_min is not None and best.speedup_max is not None:
+        gain += f" (rounds {best.speedup_min:.2f}-{best.speedup_max:.2f}x)"
     if best.acceptance is not None:
         gain += f", {best.acceptance:.0%} of drafts accepted"
+    if above_bound(best.speedup, best.tokens_per_pass):
+        return WITHIN_NOISE, (f"{gain}; impossible above its {best.tokens_per_pass:.2f} tokens per target pass "
+                              "(a target pass costs at least a plain one): a measurement fault, rerun on an idle machine")  # fmt: skip
+    if within_noise(best):
+        return WITHIN_NOISE, f"{gain}; its rounds fall on both sides of target-only's speed"
     if best.speedup >= YES_AT:
         return "yes", gain
     reason = _why_slow(best, lookup)

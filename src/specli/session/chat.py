@@ -20,12 +20,15 @@ from specli.decoding.engine import AUTO, MAX_DRAFT, parse_draft_length
 from specli.errors import UsageError
 from specli.files import input_limit_error, max_input_bytes, replace_text
 from specli.llama.model import LlamaModel
-from specli.llama.templates import apply_chat_template, builtin_chat_templates
+from specli.llama.templates import JinjaTemplate, TemplateRenderError, apply_chat_template, builtin_chat_templates
 from specli.session.loading import Loaded
 from specli.decoding.sampling import sampling_json
 from specli.decoding.stats import Stats
 
 PLAIN = "plain"  # our fallback format for models without a usable template
+# A plain reply ends where the model starts the user's next turn (templates end a turn with an
+# end-of-generation token instead).
+PLAIN_STOP = ("\nUser:",)
 
 HELP = """commands:
   /help          this help
@@ -44,20 +47,35 @@ class Formatter:
     """Turns (system, messages) into the text the model continues.
 
     template: a llama.cpp template (built-in name or the model's own source), or None for plain
-    "User: ...\\nAssistant: ..." turns. name: what to call it in notices and /save.
+    "User: ...\\nAssistant: ..." turns. name: what to call it in notices and /save. jinja: the
+    model's own template rendered in the sandbox (then `template` is unused); owner: the model
+    file's name, for errors.
     """
 
     template: Optional[str]
     name: str
+    jinja: Optional[JinjaTemplate] = None
+    owner: str = "the model"
 
     def render(self, system: Optional[str], messages: list[dict], *, add_assistant: bool = True) -> str:
-        """The conversation as text, ending with the assistant's opening when add_assistant."""
+        """The conversation as text, ending with the assistant's opening when add_assistant.
+        Raises UsageError when the model's template fails on this conversation."""
         pairs = ([("system", system)] if system else []) + [(m["role"], m["content"]) for m in messages]
+        if self.jinja is not None:
+            try:
+                return self.jinja.render(pairs, add_assistant=add_assistant)
+            except TemplateRenderError as err:
+                raise template_error(self.owner, err) from None
         if self.template is not None:
             text = apply_chat_template(self.template, pairs, add_assistant=add_assistant)
             if text is not None:
                 return text
         return render_plain(pairs, add_assistant=add_assistant)
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """The stop strings that end a reply in this format."""
+        return PLAIN_STOP if self.template is None and self.jinja is None else ()
 
 
 def render_plain(pairs: list[tuple[str, str]], *, add_assistant: bool) -> str:
@@ -78,26 +96,46 @@ def render_plain(pairs: list[tuple[str, str]], *, add_assistant: bool) -> str:
 
 
 def choose_formatter(model: LlamaModel, template_name: Optional[str]) -> tuple[Formatter, Optional[str]]:
-    """The formatter for this session and a one-line notice (or None).
+    """The formatter for this session and a one-line notice (or None): the one choice that
+    `chat`, and `run`/`batch` with --chat, make.
 
     --template NAME (a llama.cpp built-in name, already checked with check_template_name before
-    the models loaded) wins; else the GGUF's own template when llama.cpp recognises it; else
-    plain turns.
+    the models loaded) wins; else the GGUF's own template, rendered with Jinja in a sandbox; if
+    Jinja cannot compile or render it, llama.cpp's own rendering when it recognises the template
+    family; else a UsageError naming the problem and --template. A template the sandbox refuses
+    is always an error. A model without a template gets plain turns (and a notice).
     """
     if template_name is not None:
         return Formatter(template_name, template_name), None
     own = model.chat_template()
+    owner = model.path.name
     if own is None:
         return Formatter(None, PLAIN), (
-            f"note: {model.path.name} has no chat template; using plain 'User:/Assistant:' turns "
+            f"note: {owner} has no chat template; using plain 'User:/Assistant:' turns "
             "(--template NAME picks one, e.g. chatml)"
         )
-    if apply_chat_template(own, [("user", "hi")]) is None:
-        return Formatter(None, PLAIN), (
-            f"note: llama.cpp does not recognise {model.path.name}'s chat template; using plain "
-            "'User:/Assistant:' turns (--template NAME picks one, e.g. chatml)"
-        )
-    return Formatter(own, "model"), None
+    try:
+        info = model.vocab_info()
+        jinja = JinjaTemplate(own, bos_token=_special_text(model, info.bos), eos_token=_special_text(model, info.eos))
+        jinja.render([("user", "hi")])  # fail here, once, rather than on every message
+        return Formatter(own, "model", jinja=jinja, owner=owner), None
+    except TemplateRenderError as err:
+        if not err.unsafe and apply_chat_template(own, [("user", "hi")]) is not None:
+            return Formatter(own, "model", owner=owner), (
+                f"note: cannot render {owner}'s chat template with Jinja ({err}); using llama.cpp's "
+                "built-in rendering of its template family (--template NAME picks another)"
+            )
+        raise template_error(owner, err) from None
+
+
+def template_error(owner: str, err: TemplateRenderError) -> UsageError:
+    """A model's template that failed, worded with the fix."""
+    return UsageError(f"cannot use {owner}'s chat template: {err}; pass --template NAME to use a llama.cpp built-in template instead (e.g. chatml)")
+
+
+def _special_text(model: LlamaModel, token: int) -> str:
+    """The text of a special token (`bos_token` in a template); '' for none (-1)."""
+    return model.token_text(token).decode("utf-8", errors="replace") if token >= 0 else ""
 
 
 def check_template_name(name: str) -> None:
@@ -273,6 +311,7 @@ class ChatOptions:
     quiet: bool = False
     verbose: bool = False
     show_accept: bool = False
+    stop: tuple[str, ...] = ()  # --stop: ends a reply (besides the plain format's own)
 
 
 @dataclass
@@ -319,9 +358,13 @@ class ChatSession:
                 f"more than the context of {n_ctx} (shorten it or raise -c)"
             )
             return
+        except UsageError as err:  # the model's template refuses this conversation (a /system?)
+            self.notice(f"specli: message refused: {err}")
+            return
         if dropped and not self.options.quiet:
             self.notice(f"context full: dropped the oldest {dropped} exchange(s) to fit the {n_ctx}-token context with --max-tokens {self.options.max_tokens}")
-        gen = decoder.generate(ids, max_tokens=self.options.max_tokens)
+        stop = (*self.formatter.stop, *self.options.stop)
+        gen = decoder.generate(ids, max_tokens=self.options.max_tokens, stop=stop)
         interrupted = self.stream_generation(
             gen, self.out, self.err, show_text=True, live=not self.options.quiet and not self.options.verbose,
             show_accept=self.options.show_accept, with_drafting=self.with_drafting,
@@ -336,8 +379,10 @@ class ChatSession:
         self.totals.add(gen.stats)
         if not self.options.quiet:
             stats = gen.stats
-            line = self.summary_line(stats, stop_reason=gen.stop_reason, with_drafting=self.with_drafting)
-            self.notice(f"{line} · prompt: {stats.prompt_tokens - stats.prompt_reused} evaluated, {stats.prompt_reused} reused")
+            # The prompt's reuse is a chat's essential: among the segments, so that it wraps with them.
+            reuse = f"prompt {stats.prompt_tokens} tokens ({stats.prompt_tokens - stats.prompt_reused} new, {stats.prompt_reused} reused)"
+            line = self.summary_line(stats, stop_reason=gen.stop_reason, with_drafting=self.with_drafting, extra=(reuse,))
+            self.notice(line)
 
     def _forget_untracked(self) -> None:
         # Ctrl-C may land between a decode and its bookkeeping: make each cache match its record.

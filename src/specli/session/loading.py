@@ -71,7 +71,7 @@ class Loaded:
     model_tgt: LlamaModel
     model_dft: LlamaModel | None
     decoder: SpeculativeDecoder
-    policy_path: Path | None = None  # where `-n auto`'s measurements are kept between runs
+    policy_path: Path | None = None  # where `--draft-max auto`'s measurements are kept between runs
     policy_key: dict | None = None  # what they are for (shown by `specli cache`)
     # A saved file that was ignored: one line for stderr, and why (for --verbose).
     policy_notice: str | None = None
@@ -104,7 +104,7 @@ def policy_key(p: Plan, choice: ModelChoice) -> dict:
 
 
 def policy_state_path(key: dict) -> Path:
-    """Where `-n auto` keeps what it measured for this pair on this machine: one file per
+    """Where `--draft-max auto` keeps what it measured for this pair on this machine: one file per
     policy_key (target, drafter and thread/offload setting) and file format, in cache_dir()."""
     facts = {name: value for name, value in key.items() if name != "specli"}  # (a new specli keeps them)
     digest = hashlib.sha1(json.dumps([policy_store.VERSION, facts], sort_keys=True).encode()).hexdigest()
@@ -207,7 +207,7 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
                 # replace the file when it ends.
                 loaded.policy_problem = str(err)
                 loaded.policy_notice = (
-                    f"specli: ignored the saved -n auto measurements in {loaded.policy_path} (damaged); "
+                    f"specli: ignored the saved --draft-max auto measurements in {loaded.policy_path} (damaged); "
                     "this run starts fresh and replaces them"
                 )
             else:

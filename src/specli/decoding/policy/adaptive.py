@@ -1,4 +1,4 @@
-"""`-n auto`: how many tokens to draft, chosen every step from what the run has measured.
+"""`--draft-max auto`: how many tokens to draft, chosen every step from what the run has measured.
 
 In plain words: a step that drafts k tokens is expected to make E(k) tokens (acceptance.py)
 and to cost C(k) = start + gap + k t_draft + T(k+1): the drafter's start and its time per
@@ -156,7 +156,7 @@ class StepReport:
 
 
 class AdaptivePolicy(DraftJudge):
-    """`-n auto`: each step's draft length from the measured costs and acceptance.
+    """`--draft-max auto`: each step's draft length from the measured costs and acceptance.
 
     The engine reports every pass with `observe`; drafters ask `limit` before proposing and,
     when they know their confidence, `keep` for each token and `last` after each kept one.

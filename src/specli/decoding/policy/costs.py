@@ -214,7 +214,7 @@ class PassCost:
         up = min(slope, prior)
         previous = self._mean[1] if 1 in self._mean else max(at_0 + slope, 1e-9)
         out = [0.0, previous + one]
-        for n in range(2, n_top + 1):  # (a hot loop: -n auto plans with it every step)
+        for n in range(2, n_top + 1):  # (a hot loop: --draft-max auto plans with it every step)
             t = at_0 + slope * n if n <= widest else at_0 + slope * widest + up * (n - widest)
             previous = t if t > previous else previous
             out.append(previous + per_token * n)

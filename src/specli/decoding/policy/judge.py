@@ -1,10 +1,10 @@
-"""What a drafter asks while proposing, and the judge of a fixed `-n`."""
+"""What a drafter asks while proposing, and the judge of a fixed `--draft-max`."""
 
 from __future__ import annotations
 
 
 class DraftJudge:
-    """What a drafter asks while proposing. This one drafts exactly as asked (fixed -n).
+    """What a drafter asks while proposing. This one drafts exactly as asked (fixed --draft-max).
 
     A proposal asks `limit` once, then, when the judge `wants_confidence` and the drafter knows
     it, `keep` for each token and `last` after each kept one. The answers of one proposal belong

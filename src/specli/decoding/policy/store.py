@@ -1,4 +1,4 @@
-"""What `-n auto` keeps between runs, and how a saved file is read back (pure: no I/O here).
+"""What `--draft-max auto` keeps between runs, and how a saved file is read back (pure: no I/O here).
 
 Only facts about the machine and the model pair are kept: what a target pass over n tokens
 costs (the median of the run's recent uncontended passes, with how many and when), what the
