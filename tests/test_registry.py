@@ -815,3 +815,53 @@ def test_real_demo_package_recovers_from_a_partial_file(tmp_path, monkeypatch):
         module.assemble()  # the package's own advice: overwrite=True; specli needs none
     assert resolve_source(load_registry().default.target) == target
     assert target.stat().st_size == 253_113_024 and reg._sha256(target) == module.EXPECTED_SHA256
+
+
+# --- Hugging Face names (llama.cpp's -hf forms) ------------------------------------------------------
+from specli.models import hub  # noqa: E402
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M", hub.HfRef("bartowski/Llama-3.2-1B-Instruct-GGUF", quant="Q4_K_M")),
+    ("org/repo:q8_0", hub.HfRef("org/repo", quant="q8_0")),
+    ("org/repo/model-Q4_K_M.gguf", hub.HfRef("org/repo", file="model-Q4_K_M.gguf")),
+    ("org/repo/Q4_K_M/m-00001-of-00002.gguf", hub.HfRef("org/repo", file="Q4_K_M/m-00001-of-00002.gguf")),
+    ("org/repo/model.GGUF", hub.HfRef("org/repo", file="model.GGUF")),
+    # Not names: paths, registry names, a repo without quant or file.
+    ("./org/repo/model.gguf", None), ("/models/a/b.gguf", None), ("~/a/b.gguf", None),
+    ("org/../b.gguf", None), ("model.gguf", None), ("dir/model.gguf", None), ("gemma3-270m", None),
+    ("org/repo", None), ("org/repo:", None), ("org/repo/readme.md", None),
+])
+def test_parse_hf_ref(arg, expected):
+    assert hub.parse_hf_ref(arg) == expected
+
+
+def test_hf_names_are_not_paths_unless_on_disk(tmp_path, monkeypatch):
+    assert not reg.looks_like_path("org/repo:Q4_K_M")
+    assert not reg.looks_like_path("org/repo/model-Q4_K_M.gguf")
+    assert reg.looks_like_path("dir/model.gguf") and reg.looks_like_path("./org/repo/m.gguf")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "repo").mkdir(parents=True)
+    (tmp_path / "org" / "repo" / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    assert reg.looks_like_path("org/repo/model-Q4_K_M.gguf")
+
+
+FILES = ["README.md", "m-Q4_K_M.gguf", "m-Q4_K_S.gguf", "m-IQ4_XS.gguf", "mmproj-m-Q8_0.gguf", "m-Q8_0.gguf",
+         "big/m-Q6_K-00002-of-00002.gguf", "big/m-Q6_K-00001-of-00002.gguf", "half/m-F16-00001-of-00002.gguf"]
+
+
+@pytest.mark.parametrize("quant, parts", [
+    ("q4_k_m", ("m-Q4_K_M.gguf",)),
+    ("Q8_0", ("m-Q8_0.gguf",)),  # the mmproj file of the same quant is no candidate
+    ("Q4_XS", None),  # inside IQ4_XS: no match
+    ("Q6_K", ("big/m-Q6_K-00001-of-00002.gguf", "big/m-Q6_K-00002-of-00002.gguf")),  # a split model, first part first
+    ("F16", None),  # a split set with a part missing is no model
+])
+def test_pick_quant(quant, parts):
+    assert hub.pick_quant(hub.HfRef("o/r", quant=quant), FILES, "o/r") == parts
+
+
+def test_pick_quant_refuses_a_prefix_of_several():
+    with pytest.raises(RegistryError, match=r"o/r:Q4_K is ambiguous: 2 GGUF files") as info:
+        hub.pick_quant(hub.HfRef("o/r", quant="Q4_K"), FILES + ["m-Q4_K.gguf", "n-Q4_K.gguf"], "o/r")
+    assert "m-Q4_K.gguf, n-Q4_K.gguf" in str(info.value) and "Q4_K_M" not in str(info.value)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shlex
@@ -75,34 +74,63 @@ def models_cmd(
     if json_out:
         print(json.dumps(rows, ensure_ascii=False))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    width = os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else None
+    for line in models_lines(rows + cached_gguf_rows(rows), width):
+        print(line)
+    return 0
 
+
+def cached_gguf_rows(rows: list[dict]) -> list[dict]:
+    """The GGUFs in the Hugging Face cache that no listed pair already covers, as rows of
+    `specli models`, named as -m takes them: user/repo:QUANT when that picks the file, else
+    user/repo/file.gguf. No network."""
+    from specli.models.hub import HfRef, cached_files, cached_ggufs, pick_quant
+    from specli.models.fit import quant_from_name
+
+    covered = {(s["hf_repo"], f) for r in rows for s in (r["target"], r["draft"]) if isinstance(s, dict) for f in s["hf_files"]}
+    out = []
+    for repo, file, size in cached_ggufs():
+        if (repo, file) in covered:
+            continue
+        name = f"{repo}/{file}"
+        quant = quant_from_name(os.path.basename(file))
+        try:
+            picked = pick_quant(HfRef(repo, quant=quant), cached_files(repo), "the cache") if quant else None
+        except SpecliError:  # several cached files of that quant: only the file name is unambiguous
+            picked = None
+        if picked and picked[0] == file:
+            name = f"{repo}:{quant}"
+        out.append({"name": name, "draft": "-", "size": size, "local": "yes", "description": "Hugging Face cache"})
+    return out
+
+
+def models_lines(rows: list[dict], width: Optional[int]) -> list[str]:
+    """`specli models` for humans: with a terminal `width`, aligned columns that fit it (the
+    description is cut first; a name never is: it is what -m takes); piped (width None), plain
+    tab-separated lines, as `ollama list`, for cut and awk."""
     from specli.models.fit import gb
 
-    table = Table(title="models.toml", show_lines=True)
-    for column in ("name", "target", "draft", "acceptance", "N", "downloaded", "size"):
-        table.add_column(column, overflow="fold")
+    table = [("NAME", "DRAFT", "SIZE", "LOCAL", "DESCRIPTION")]
     for row in rows:
-        def part(src) -> str:
-            return _source_label(_Src(src))
-
+        if "target" not in row:  # a cached GGUF (cached_gguf_rows)
+            table.append((row["name"], row["draft"], gb(row["size"]), row["local"], row["description"]))
+            continue
         t, d = row["target"], row["draft"]
-        sizes = [s["size_bytes"] for s in (t, d) if isinstance(s, dict)]
-        size = " + ".join(gb(s) if s else "?" for s in sizes)
-        have = [("yes" if s["downloaded"] else "no") for s in (t, d) if isinstance(s, dict)]
-        acc = row["acceptance"]
-        table.add_row(
-            row["name"] + (" (default)" if row["default"] else "") + "\n" + row["description"],
-            part(t),
-            "lookup" if d == "lookup" else part(d),
-            f"{acc[0]:.0%}-{acc[1]:.0%}" if acc else "-",
-            str(row["n_speculative"] or "-"),
-            " / ".join(have),
-            size,
-        )
-    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160).print(table)
-    return 0
+        sources = [s for s in (t, d) if isinstance(s, dict)]
+        size = " + ".join(gb(s["size_bytes"]) if s["size_bytes"] else "?" for s in sources)
+        local = " / ".join("yes" if s["downloaded"] else "no" for s in sources)
+        description = ("(default) " if row["default"] else "") + row["description"]
+        table.append((row["name"], "lookup" if d == "lookup" else "model", size, local, description))
+    if width is None:
+        return ["\t".join(cells) for cells in table]
+    widths = [max(len(cells[i]) for cells in table) for i in range(4)]
+    lines = []
+    for cells in table:
+        line = "  ".join(cell.ljust(w) for cell, w in zip(cells, widths))
+        room = width - len(line) - 2
+        description = cells[4] if len(cells[4]) <= room else cells[4][: max(room - 1, 0)] + "…" if room > 1 else ""
+        lines.append((line + "  " + description).rstrip() if description else line.rstrip())
+    return lines
 
 
 class _Src:
@@ -115,139 +143,16 @@ class _Src:
 # --- specli pull ---------------------------------------------------------------------------------
 
 
-class _Fetched:
-    """One file `specli pull` made local: its path, and whether it was already there."""
-
-    def __init__(self, path: str, was_cached: bool, size: int):
-        self.path, self.was_cached, self.size = path, was_cached, size
-
-
-def _is_offline() -> bool:
-    """HF_HUB_OFFLINE (as huggingface_hub itself reads it, once at import)."""
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
-def _cached_path(repo: str, filename: str) -> Optional[str]:
-    """The file's path in the local Hugging Face cache, or None (no network)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(repo_id=repo, filename=filename)
-    # Besides None it may return a "known not to exist" marker: not a path either.
-    return cached if isinstance(cached, str) and os.path.isfile(cached) else None
-
-
-def _access_hint(repo: str) -> str:
-    """How to get access to a gated or private repo."""
-    return (f"accept its licence on https://huggingface.co/{repo} and log in "
-            "(`hf auth login`, or set HF_TOKEN to a token that has access)")
-
-
-def _hub_error(exc: BaseException, repo: str, filename: str) -> SpecliError:
-    """One-line SpecliError (exit 1: the hub, the network or the disk failed us) for a download error."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-        RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
-    )
-
-    what = f"{repo}/{filename}"
-    if isinstance(exc, LocalEntryNotFoundError) and isinstance(exc.__cause__, HfHubHTTPError):
-        # The library reports a failed HEAD (a 403, a 5xx) as "not in the cache"; the cause says why.
-        exc = exc.__cause__
-    status = getattr(getattr(exc, "response", None), "status_code", None)
-    # Order matters: GatedRepoError is a RepositoryNotFoundError, both are HfHubHTTPErrors.
-    if isinstance(exc, GatedRepoError):
-        return SpecliError(f"{repo} is gated: {_access_hint(repo)}; then run specli pull again")
-    if isinstance(exc, RepositoryNotFoundError) or status in (401, 403):
-        return SpecliError(f"no access to {repo} (HTTP {status}): it does not exist, or it is private or gated: {_access_hint(repo)}")
-    if isinstance(exc, RemoteEntryNotFoundError):
-        return SpecliError(f"{repo} has no file {filename} (HTTP 404): check hf_file in models.toml against https://huggingface.co/{repo}/tree/main")
-    if isinstance(exc, RevisionNotFoundError):
-        return SpecliError(f"{repo} has no revision main (HTTP {status})")
-    if isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled)) or _is_connection_error(exc):
-        if _is_offline():
-            return SpecliError(f"{what} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: unset it to download")
-        return SpecliError(f"cannot reach {constants.ENDPOINT} to download {what}, and it is not in the cache: check the connection (or HF_ENDPOINT, the proxy)")
-    if isinstance(exc, HfHubHTTPError):
-        return SpecliError(f"downloading {what} failed: HTTP {status}")
-    reason = " ".join(str(exc).split()) or type(exc).__name__  # library messages span lines
-    return SpecliError(f"downloading {what} failed: {reason}")
-
-
-def _is_connection_error(exc: BaseException) -> bool:
-    # httpx2 is huggingface_hub's transport; matched by name so that no transport is imported here.
-    names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
-    return bool(names & {"ConnectError", "ConnectTimeout", "TimeoutException", "ReadTimeout", "RemoteProtocolError"})
-
-
-# How long `specli pull` waits for the hub's host name to resolve before leaving it to the
-# client (which then retries as it does for any network error).
-RESOLVE_WAIT_S = 10.0
-
-
-@functools.lru_cache(maxsize=None)
-def _unresolvable_endpoint() -> Optional[tuple[str, str]]:
-    """(host, reason) when the hub's host name does not resolve, i.e. no network or no DNS;
-    None when it resolves, when a proxy resolves it for us, or when the answer takes longer than
-    RESOLVE_WAIT_S. Without this, huggingface_hub retries a failed lookup 5 times over 24 s,
-    printing a line each time, before it gives up."""
-    import socket
-    import threading
-    import urllib.request
-    from urllib.parse import urlsplit
-
-    from huggingface_hub import constants
-
-    parts = urlsplit(constants.ENDPOINT)
-    host = parts.hostname
-    if not host:
-        return None
-    proxies = urllib.request.getproxies_environment()  # httpx (the hub's transport) honours the same variables
-    if (proxies.get(parts.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass_environment(host, proxies):
-        return None
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:  # a bad port in HF_ENDPOINT: the client reports it
-        return None
-    found: dict = {}
-
-    def resolve() -> None:
-        try:
-            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except socket.gaierror as err:
-            found["error"] = err.strerror or str(err)
-        except (OSError, UnicodeError):
-            pass
-
-    thread = threading.Thread(target=resolve, name="specli-resolve", daemon=True)
-    thread.start()
-    thread.join(RESOLVE_WAIT_S)
-    return (host, found["error"]) if "error" in found else None
+# The hub client's wrapping (download, offline and access errors) lives in models/hub.py, shared
+# with -m user/repo:QUANT in every command.
+from specli.models.hub import Fetched as _Fetched, is_offline as _is_offline  # noqa: E402
 
 
 def _pull_hf_file(repo: str, filename: str) -> _Fetched:
-    """Download one file into the Hugging Face cache (resumes, skips what is there); raises SpecliError."""
-    from huggingface_hub import hf_hub_download
+    """Download one models.toml file into the Hugging Face cache; raises SpecliError."""
+    from specli.models.hub import fetch_file
 
-    before = _cached_path(repo, filename)
-    if before is None and not _is_offline():
-        unresolved = _unresolvable_endpoint()
-        if unresolved is not None:
-            host, reason = unresolved
-            raise SpecliError(
-                f"no network: the hub's host {host} does not resolve ({reason}), so {repo}/{filename} cannot be "
-                "downloaded and it is not in the cache; check the connection (or HF_ENDPOINT, the proxy), or download "
-                "the file elsewhere and pass it with -m PATH (HF_HUB_OFFLINE=1 uses only what is cached)"
-            )
-    try:
-        # No token argument: the library reads HF_TOKEN or the `hf auth login` token itself.
-        path = hf_hub_download(repo_id=repo, filename=filename)
-    except Exception as exc:  # (Ctrl-C is no Exception: it stays an interruption)
-        raise _hub_error(exc, repo, filename) from exc
-    return _Fetched(path, was_cached=before is not None and os.path.realpath(before) == os.path.realpath(path),
-                    size=os.path.getsize(path))
+    return fetch_file(repo, filename, file_hint="check hf_file in models.toml")
 
 
 def _pull_source(source, role: str) -> list:
@@ -263,23 +168,45 @@ def _pull_source(source, role: str) -> list:
     return [_pull_hf_file(source.hf_repo, f) for f in source.hf_files]
 
 
+def _pull_ref(arg: str) -> list:
+    """Make a Hugging Face name (user/repo:QUANT, user/repo/file.gguf) local: every part of it."""
+    from specli.models.hub import fetch_file, parse_hf_ref, ref_files
+
+    ref = parse_hf_ref(arg)
+    files, _ = ref_files(ref, remote=True)  # the quant form: the cached snapshot, else the hub's list
+    return [fetch_file(ref.repo, f) for f in files]
+
+
 @commands.command("pull")
 def pull_cmd(
-    name: str = typer.Argument(..., help="A models.toml name (see `specli models`)."),
+    name: str = typer.Argument(..., help="A models.toml name (see `specli models`), or a Hugging Face GGUF: user/repo:QUANT or user/repo/file.gguf."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", "-md", metavar="NAME", help="A draft model to get too (user/repo:QUANT, user/repo/file.gguf or a models.toml name)."),
     registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
 ) -> int:
-    """Download a models.toml entry's target and draft GGUFs into the Hugging Face cache.
+    """Download GGUFs into the Hugging Face cache: a models.toml entry's target and draft, or
+    Hugging Face names as llama.cpp's -hf takes them (user/repo:Q4_K_M picks the file by quant).
 
     Prints the local paths on stdout, one per line; progress and a summary go to stderr.
     """
     from specli.models.fit import gb
+    from specli.models.hub import parse_hf_ref
     from specli.models.registry import load_effective_registry, looks_like_path
 
-    if looks_like_path(name):
-        raise UsageError(f"specli pull takes a models.toml name, not a file: {name!r} (see specli models)")
-    entry = load_effective_registry(registry_file).get(name)
-    sources = [("target", entry.target)] + ([("draft", entry.draft)] if entry.draft is not None else [])
-    fetched = [f for role, source in sources for f in _pull_source(source, role)]
+    registry = None
+    fetched = []
+    for arg, is_draft in ((name, False), *(((draft, True),) if draft else ())):
+        if looks_like_path(arg):
+            raise UsageError(f"specli pull takes a models.toml name or user/repo:QUANT, not a file: {arg!r} (see specli models)")
+        if parse_hf_ref(arg) is not None:
+            fetched += _pull_ref(arg)
+            continue
+        registry = registry or load_effective_registry(registry_file)
+        entry = registry.get(arg)
+        if is_draft:  # a pair named as the draft: its draft model (its only model when drafted by lookup)
+            sources = [("draft", entry.draft or entry.target)]
+        else:
+            sources = [("target", entry.target)] + ([("draft", entry.draft)] if entry.draft is not None and not draft else [])
+        fetched += [f for role, source in sources for f in _pull_source(source, role)]
 
     for f in fetched:
         print(f.path, flush=True)
@@ -289,7 +216,7 @@ def pull_cmd(
     if kept:
         parts.append(f"{kept} already present" + (" (offline: HF_HUB_OFFLINE is set)" if _is_offline() else ""))
     print(f"{name}: {len(fetched)} file{'s' if len(fetched) != 1 else ''}, " + ", ".join(parts)
-          + f"; run it: specli run -m {name} \"...\"", file=sys.stderr)
+          + f"; run it: specli run -m {name}" + (f" -d {draft}" if draft else "") + ' "..."', file=sys.stderr)
     return 0
 
 
@@ -303,7 +230,8 @@ def _resolve_shapes(model: Optional[str], draft: Optional[str], lookup: bool, re
     present, else from the facts models.toml records.
     """
     from specli.models import fit
-    from specli.models.registry import looks_like_path
+    from specli.models.hub import parse_hf_ref
+    from specli.models.registry import looks_like_path, resolve_model_arg
     from pathlib import Path
 
     if draft and lookup:
@@ -312,22 +240,33 @@ def _resolve_shapes(model: Optional[str], draft: Optional[str], lookup: bool, re
     def one(arg: str):
         if looks_like_path(arg):
             return fit.shape_from_file(Path(arg).expanduser()), None
+        if parse_hf_ref(arg) is not None:
+            # Cached files only: fit is the check made before a download, never a cause of one.
+            return fit.shape_from_file(resolve_model_arg(arg, registry, download=False)[0]), None
         entry = registry.get(arg)
-        return fit.shape_from_source(entry.target, f"{arg} (target)" if entry.draft else arg), entry
+        return of(entry.target), entry
+
+    def of(source):
+        # Each model by its own file name, never by its pair's: a pair named after its 70B
+        # target would title its 8B draft as the 70B.
+        return fit.shape_from_source(source, source.hf_files[0].rsplit("/", 1)[-1] if source.hf_files else source.package)
 
     if model is None:
         entry = registry.default
-        target = fit.shape_from_source(entry.target, entry.name)
+        target = of(entry.target)
         model_arg = None
     else:
         target, entry = one(model)
         model_arg = model
     draft_shape, draft_arg = None, None
     if draft:
-        draft_shape, _ = one(draft)
+        from specli.models.registry import draft_entry
+
+        pair = draft_entry(draft, registry)  # a pair's name as -d means its draft model, as in run
+        draft_shape = of(pair.draft) if pair is not None else one(draft)[0]
         draft_arg = draft
     elif not lookup and entry is not None and entry.draft is not None:
-        draft_shape = fit.shape_from_source(entry.draft, f"{entry.name} (draft)")
+        draft_shape = of(entry.draft)
     return target, draft_shape, model_arg, draft_arg
 
 
@@ -351,6 +290,7 @@ def _run_command(model_arg, draft_arg, lookup, *, ctx, ngl=-1, draft_ngl=-1) -> 
 def _suggestions(target, draft, memory, est, opts, model_arg, draft_arg, lookup, registry) -> list:
     """Concrete ways to make a non-fitting setup fit: a smaller context, a layer split, a smaller quant."""
     from specli.models import fit
+    from specli.models.hub import parse_hf_ref
     from specli.models.registry import looks_like_path
 
     out = []
@@ -370,6 +310,8 @@ def _suggestions(target, draft, memory, est, opts, model_arg, draft_arg, lookup,
         command = f"llama-quantize --allow-requantize TARGET.gguf TARGET-{name}.gguf {name}"
         if model_arg and looks_like_path(model_arg):
             command = f"llama-quantize --allow-requantize {shlex.quote(model_arg)} target-{name}.gguf {name}"
+        elif model_arg and parse_hf_ref(model_arg):
+            command = f"specli pull {parse_hf_ref(model_arg).repo}:{name}   # if the repo has that quant"
         else:
             entry = registry.get(model_arg) if model_arg else registry.default
             src = entry.target
@@ -421,9 +363,16 @@ def fit_cmd(
     need = placement.gpu_bytes if machine.kind == "gpu" else placement.ram_bytes
     opts = dict(ctx=ctx, ngl=ngl, draft_ngl=draft_ngl, kv_type=kv_type, n_draft=n_draft, overhead=overhead)
     suggestions = [] if ok else _suggestions(target, draft_shape, machine, est, opts, model_arg, draft_arg, models.lookup, registry)
+    # What `specli run` would say before loading this pair: flagged here, on stderr, one line each.
+    problem = fit.vocab_problem(target, draft_shape) if draft_shape is not None else None
+    warnings = ([f"warning: {problem} (specli run refuses this pair)"] if problem else []) + fit.pair_warnings(target, draft_shape, ctx)
+    for line in warnings:
+        print(line, file=sys.stderr)
 
     if json_out:
-        print(json.dumps(_fit_json(est, machine, placement, ok, suggestions)))
+        out = _fit_json(est, machine, placement, ok, suggestions)
+        out["warnings"] = warnings
+        print(json.dumps(out))
     else:
         _print_fit(est, machine, placement, ok, need, suggestions)
     return 0 if ok else EXIT_DOES_NOT_FIT
@@ -465,13 +414,16 @@ def _print_fit(est, memory, placement, ok, need, suggestions) -> None:
     """The human report on stdout: components table, both formulas, the verdict, suggestions."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    from specli.models.fit import gb, padded_ctx
+    from specli.models.fit import gb, padded_ctx, size_text
 
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
     has_draft = est.draft is not None
-    title = f"{est.target.label}" + (f" + {est.draft.label}" if has_draft else " (no draft model)")
-    table = Table(title=title)
+    # Each model by its own name and size.
+    title = f"target {est.target.label} ({size_text(est.target.weight_bytes)})" + (
+        f" + draft {est.draft.label} ({size_text(est.draft.weight_bytes)})" if has_draft else ", no draft model")
+    table = Table(title=Text(title))  # (Text: a file name is no markup)
     for column in ("component", "target", "draft", "total"):
         table.add_column(column, justify="left" if column == "component" else "right")
 

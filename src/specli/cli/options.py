@@ -72,8 +72,8 @@ def parse_n_draft(text: str) -> int | str:
 class Models:
     """The target, and the draft model or prompt lookup (run, chat, batch, bench, fit)."""
 
-    model: Annotated[Optional[str], typer.Option("-m", "--model", help="Target model: a GGUF path or a models.toml name. Default: models.toml's default (shipped: the embedded Gemma 3 270M).")] = None
-    draft: Annotated[Optional[str], typer.Option("-d", "-md", "--draft", "--model-draft", help="Draft model: a GGUF path or a models.toml name (same tokenizer as the target).")] = None
+    model: Annotated[Optional[str], typer.Option("-m", "--model", help="Target model: a GGUF path, a Hugging Face GGUF (user/repo:QUANT or user/repo/file.gguf: from the HF cache, else downloaded once) or a models.toml name (a pair's name: its target, drafted by its draft). Default: models.toml's default (shipped: the embedded Gemma 3 270M).")] = None
+    draft: Annotated[Optional[str], typer.Option("-d", "-md", "--draft", "--model-draft", help="Draft model: a GGUF path, user/repo:QUANT, user/repo/file.gguf or a models.toml name (a pair's name: the pair's draft model). Same tokenizer as the target.")] = None
     lookup: Annotated[bool, typer.Option("--lookup", help="Draft by prompt lookup (copying from the text so far); no draft model.")] = False
 
 
@@ -203,6 +203,9 @@ def load_models(the_plan: Plan, choice: ModelChoice, *, quiet: bool, verbose: bo
     were ignored (--verbose: why)."""
     from specli.cli.render import stderr_console
 
+    if not quiet:  # what the headers told before loading (training context, a larger draft)
+        for warning in the_plan.warnings:
+            print(warning, file=sys.stderr)
     if quiet or not sys.stderr.isatty():
         loaded = load(the_plan, choice)
     else:

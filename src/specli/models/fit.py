@@ -72,6 +72,10 @@ class ModelShape:
     quant: str | None = None
     n_ctx_train: int | None = None
     n_swa: int | None = None
+    # From a GGUF header only: general.parameter_count when the file states it, and the
+    # tokenizer facts that pair_problem compares before anything is loaded.
+    n_params: int | None = None
+    vocab: VocabFacts | None = field(default=None, repr=False)
 
     @property
     def n_layer(self) -> int:
@@ -144,6 +148,8 @@ def shape_from_metadata(meta: dict[str, Any], weight_bytes: int, label: str) -> 
         quant=FILE_TYPES.get(file_type) if isinstance(file_type, int) else quant_from_name(label),
         n_ctx_train=n_ctx_train,
         n_swa=n_swa,
+        n_params=_positive_int(meta.get("general.parameter_count")),
+        vocab=vocab_facts(meta),
     )
 
 
@@ -452,3 +458,113 @@ def smaller_quant(target: ModelShape, draft: ModelShape | None, memory: Memory, 
 def gb(n: int | float) -> str:
     """Bytes as decimal gigabytes for tables ("42.50 GB")."""
     return f"{n / GB:.2f} GB"
+
+
+def size_text(n: int | float) -> str:
+    """Bytes for a line of text, in the unit that keeps them readable ("4.92 GB", "1.2 MB")."""
+    for unit, scale in (("GB", GB), ("MB", GB // 1000), ("kB", GB // 1_000_000)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}" if n < 100 * scale else f"{n / scale:.0f} {unit}"
+    return f"{int(n)} bytes"
+
+
+# --- does this pair make sense? (from headers or models.toml facts, before any load) --------------
+# The same rule as llama/compat.py (llama.cpp's common/speculative.cpp), on what a header tells:
+# the load still runs the full check on the loaded vocabularies (the header reader keeps the token
+# texts of vocabularies up to 4096 tokens only).
+
+# tokenizer.ggml.model -> llama.cpp's vocabulary type (llama-vocab.cpp), as compat.py names them.
+_VOCAB_TYPES = {"no_vocab": "none", "none": "none", "llama": "SPM", "gpt2": "BPE", "bert": "WPM",
+                "t5": "UGM", "rwkv": "RWKV", "plamo2": "PLaMo2"}
+_COMPAT_FIX = "pick a draft model from the target's family (same tokenizer)"
+
+
+@dataclass(frozen=True)
+class VocabFacts:
+    """A header's tokenizer: its type name (None if unknown), BOS/EOS ids (None when unset: then
+    llama.cpp picks a per-type default, so they are not compared), the number of tokens, and
+    their texts when the header reader kept them."""
+
+    kind: str | None
+    bos: int | None
+    eos: int | None
+    n_tokens: int
+    tokens: tuple[str, ...] | None
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def vocab_facts(meta: dict[str, Any]) -> VocabFacts | None:
+    """The tokenizer facts of GGUF metadata, or None when it has no token list."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, LongArray):
+        n_tokens, texts = tokens.length, None
+    elif isinstance(tokens, list) and all(isinstance(t, str) for t in tokens):
+        n_tokens, texts = len(tokens), tuple(tokens)
+    else:
+        return None
+    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos")]
+    bos, eos = (i if isinstance(i, int) and not isinstance(i, bool) else None for i in ids)
+    return VocabFacts(_VOCAB_TYPES.get(meta.get("tokenizer.ggml.model")), bos, eos, n_tokens, texts)
+
+
+def vocab_problem(target: ModelShape, draft: ModelShape) -> str | None:
+    """Why `draft` cannot draft for `target` as far as their headers (or models.toml's n_vocab)
+    tell, in compat.py's words, or None: no difference seen (the load checks the rest)."""
+    from specli.llama.compat import FIRST_CHECKED_TOKEN_ID, MAX_VOCAB_SIZE_DIFFERENCE
+
+    t, d = target.vocab, draft.vocab
+    head = f"{draft.label} cannot draft for {target.label}: "
+    if t is not None and d is not None:
+        if t.kind and d.kind and t.kind != d.kind:
+            return head + f"draft and target use different tokenizer types (target {t.kind}, draft {d.kind}); {_COMPAT_FIX}"
+        for what, a, b in (("BOS", t.bos, d.bos), ("EOS", t.eos, d.eos)):
+            if a is not None and b is not None and a != b:
+                return head + f"draft and target have different {what} tokens (target {a}, draft {b}); {_COMPAT_FIX}"
+    n_t = t.n_tokens if t is not None else target.n_vocab
+    n_d = d.n_tokens if d is not None else draft.n_vocab
+    if n_t and n_d and abs(n_t - n_d) > MAX_VOCAB_SIZE_DIFFERENCE:
+        return head + (f"draft and target vocabularies differ in size by {abs(n_t - n_d)} tokens (target {n_t}, "
+                       f"draft {n_d}; at most {MAX_VOCAB_SIZE_DIFFERENCE} allowed); {_COMPAT_FIX}")
+    if t is not None and d is not None and t.tokens is not None and d.tokens is not None:
+        for token in range(FIRST_CHECKED_TOKEN_ID, min(len(t.tokens), len(d.tokens))):
+            if t.tokens[token] != d.tokens[token]:
+                return head + (f"draft and target disagree on token {token} (target {t.tokens[token]!r}, "
+                               f"draft {d.tokens[token]!r}); {_COMPAT_FIX}")
+    return None
+
+
+def larger_draft_warning(target: ModelShape, draft: ModelShape) -> str | None:
+    """One line when the draft is bigger than the target (more parameters or a bigger file):
+    drafting with it costs more than verifying; most likely -m and -d are swapped."""
+    fix = "a draft should be a much smaller model of the target's family (are -m and -d swapped?)"
+    if target.n_params and draft.n_params and draft.n_params > target.n_params:
+        return (f"warning: the draft {draft.label} has more parameters ({draft.n_params / 1e9:.3g}B) than the "
+                f"target {target.label} ({target.n_params / 1e9:.3g}B): {fix}")
+    # Beyond 1%: a copy of the target (same weights, a longer name in its header) is no larger.
+    if draft.weight_bytes > target.weight_bytes * 1.01:
+        return (f"warning: the draft {draft.label} ({size_text(draft.weight_bytes)}) is larger than the target "
+                f"{target.label} ({size_text(target.weight_bytes)}): {fix}")
+    return None
+
+
+def ctx_warning(shape: ModelShape, n_ctx: int, *, draft: bool = False) -> str | None:
+    """One line when -c is above a model's training context (GGUF <arch>.context_length), as
+    llama.cpp's own "possible training context overflow" warning (shown only with --verbose)."""
+    if not shape.n_ctx_train or n_ctx <= shape.n_ctx_train:
+        return None
+    effect = "its drafts may be accepted less" if draft else "quality may drop"
+    role = "draft model" if draft else "model"
+    return f"warning: -c {n_ctx} is above the {role}'s training context ({shape.n_ctx_train}): {effect}"
+
+
+def pair_warnings(target: ModelShape, draft: ModelShape | None, n_ctx: int) -> list[str]:
+    """The warnings a pair (or a target alone) deserves before it is loaded: a context above a
+    model's training context, a draft larger than its target."""
+    lines = [ctx_warning(target, n_ctx)]
+    if draft is not None:
+        # The draft's own line only when the target's is not said already (one line is enough).
+        lines += [None if lines[0] else ctx_warning(draft, n_ctx, draft=True), larger_draft_warning(target, draft)]
+    return [line for line in lines if line]

@@ -805,7 +805,14 @@ def _how_to_get(source: ModelSource) -> str:
 
 
 def looks_like_path(arg: str) -> bool:
-    """True when a -m value names a file rather than a registry entry."""
+    """True when a -m value names a file rather than a registry entry or a Hugging Face name
+    (`user/repo:QUANT`, `user/repo/file.gguf`: see models/hub.py); a file on disk wins."""
+    from specli.models.hub import parse_hf_ref
+
+    if os.path.exists(arg):
+        return True
+    if parse_hf_ref(arg) is not None:
+        return False
     separators = [os.sep] + ([os.altsep] if os.altsep else [])
     return (
         any(sep in arg for sep in separators)
@@ -814,18 +821,44 @@ def looks_like_path(arg: str) -> bool:
     )
 
 
-def resolve_model_arg(arg: str, registry: Registry) -> tuple[Path, RegistryEntry | None]:
+def resolve_model_arg(arg: str, registry: Registry, download: bool = True) -> tuple[Path, RegistryEntry | None]:
     """Resolve a CLI -m value: a GGUF path, or a registry name.
 
     A value with a path separator, a .gguf ending, or naming something on disk is a path: it
     comes back as a Path (with ~ expanded) and None, unchecked; the model loader reports a bad
-    file. Anything else is looked up in `registry`; returns its target's local path and the
+    file. A Hugging Face name (`user/repo:QUANT`, `user/repo/file.gguf`) comes from the local
+    Hugging Face cache, else is downloaded once when `download` is True (models/hub.py), and
+    None. Anything else is looked up in `registry`; returns its target's local path and the
     entry. Raises RegistryError for an unknown name or a target that is not available locally.
     """
+    from specli.models.hub import parse_hf_ref, resolve_hf_ref
+
     if looks_like_path(arg):
         return Path(arg).expanduser(), None
+    ref = parse_hf_ref(arg)
+    if ref is not None:
+        return resolve_hf_ref(ref, download=download), None
     entry = registry.get(arg)
     return resolve_source(entry.target), entry
+
+
+def draft_entry(arg: str, registry: Registry) -> RegistryEntry | None:
+    """The registry pair a -d value names by its draft model, or None (a path, or anything else
+    resolve_model_arg understands). A pair's name means the pair: as -d, its draft model; an
+    entry drafted by prompt lookup has none, so its name means its (only) model."""
+    if looks_like_path(arg):
+        return None
+    entry = registry.entries.get(arg)
+    return entry if entry is not None and entry.draft is not None else None
+
+
+def resolve_draft_arg(arg: str, registry: Registry) -> tuple[Path, RegistryEntry | None]:
+    """Resolve a CLI -d value: a pair's name gives that pair's draft file (see draft_entry),
+    anything else resolves as a -m value (resolve_model_arg)."""
+    entry = draft_entry(arg, registry)
+    if entry is not None:
+        return resolve_source(entry.draft), entry
+    return resolve_model_arg(arg, registry)
 
 
 # --- offline availability (for `specli models` and `specli fit`) ------------------------------

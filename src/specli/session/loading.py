@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specli import __version__
@@ -18,11 +18,12 @@ from specli.decoding.policy import store as policy_store
 from specli.llama.compat import check_compatible
 from specli.decoding.drafters import make_drafter
 from specli.decoding.engine import AUTO, SpeculativeDecoder
-from specli.errors import UsageError
+from specli.errors import IncompatibleDraftError, SpecliError, UsageError
 from specli.files import write_atomically
 from specli.llama.context import validate_ctx
 from specli.llama.model import LlamaModel
-from specli.models.registry import load_effective_registry, resolve_model_arg, resolve_source
+from specli.models import fit
+from specli.models.registry import load_effective_registry, resolve_draft_arg, resolve_model_arg, resolve_source
 from specli.decoding.sampling import GREEDY, SamplingParams
 
 LOOKUP = "lookup"
@@ -54,6 +55,8 @@ class Plan:
     mode: str  # "draft-model", "lookup", "hybrid" (lookup, else the draft model) or "target-only"
     n_draft: int | str  # a fixed length or "auto"
     sampling: SamplingParams = GREEDY
+    # One line each for stderr, found in the GGUF headers before loading (see check_headers).
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def draft_label(self) -> str | None:
@@ -159,12 +162,13 @@ def plan(choice: ModelChoice) -> Plan:
     if choice.target_only:
         mode = "target-only"
     elif choice.lookup and choice.draft:
-        draft_path, _ = resolve_model_arg(choice.draft, registry)
+        draft_path, _ = resolve_draft_arg(choice.draft, registry)
         mode = HYBRID
     elif choice.lookup:
         mode = LOOKUP
     elif choice.draft:
-        draft_path, _ = resolve_model_arg(choice.draft, registry)
+        # A pair's name as -d means that pair's draft model (resolve_draft_arg).
+        draft_path, _ = resolve_draft_arg(choice.draft, registry)
         mode = "draft-model"
     elif entry is not None and entry.draft is not None:
         draft_path = resolve_source(entry.draft)
@@ -175,7 +179,28 @@ def plan(choice: ModelChoice) -> Plan:
 
     # A bad n_draft is refused by SpeculativeDecoder.set_n_draft (the CLI refuses it earlier).
     n_draft = AUTO if choice.n_draft is None else choice.n_draft
-    return Plan(target_path, draft_path, mode, n_draft, choice.sampling)
+    p = Plan(target_path, draft_path, mode, n_draft, choice.sampling)
+    p.warnings = check_headers(p, choice.n_ctx)
+    return p
+
+
+def check_headers(p: Plan, n_ctx: int) -> list[str]:
+    """What the GGUF headers tell before the (slow) load: raises IncompatibleDraftError for a
+    draft whose tokenizer differs from the target's as far as they show (load() checks the loaded
+    vocabularies in full), and returns warnings: -c above a model's training context, a draft
+    larger than its target. A header that cannot be read is left to load(), which reports it."""
+    try:
+        target = fit.shape_from_file(p.target_path)
+        draft = fit.shape_from_file(p.draft_path) if p.draft_path is not None else None
+    except SpecliError:
+        return []
+    if draft is not None and p.draft_path.resolve() == p.target_path.resolve():
+        draft = None  # the target drafting for itself: nothing to compare
+    if draft is not None:
+        problem = fit.vocab_problem(target, draft)
+        if problem:
+            raise IncompatibleDraftError(problem)
+    return fit.pair_warnings(target, draft, n_ctx)
 
 
 def load(p: Plan, choice: ModelChoice) -> Loaded:
