@@ -22,7 +22,6 @@ from specli.models.registry import (
     resolve_source,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The seed guide's pairs and their expected acceptance ranges.
 PAIRS = {
@@ -88,7 +87,10 @@ def test_shipped_split_models_list_every_part_first_part_first():
 
 
 def test_the_shipped_registry_is_package_data(tmp_path, monkeypatch):
-    assert load_registry().path == REPO_ROOT / "src/specli/models/models.toml"
+    import specli.models
+
+    # (installed as a wheel or editable: next to the package's modules either way)
+    assert load_registry().path == Path(specli.models.__file__).parent / "models.toml"
     monkeypatch.setattr(reg.importlib.resources, "files", lambda package: tmp_path)  # no models.toml there
     with pytest.raises(RegistryError, match="model registry not found"):
         load_registry()
