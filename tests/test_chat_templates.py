@@ -194,3 +194,18 @@ def test_batch_with_an_unsafe_template_stops_before_any_item(tmp_path, templated
     src.write_text("hello\n", encoding="utf-8")
     result = specli("batch", str(src), "-m", templated["unsafe"], "--chat", *FAST)
     assert_one_line_error(result, 2, "sandbox refused", "--template NAME")
+
+
+def test_run_chat_on_plain_turns_stops_at_the_next_user_line(pair_perturbed, templated):
+    # As in `chat`: a reply in plain User:/Assistant: turns ends where the model starts the
+    # user's next turn; a real template ends its turns itself.
+    from specli.cli.run import chat_prompt_ids
+    from specli.llama.model import LlamaModel
+
+    for path, expected in ((pair_perturbed[0], ("\nUser:",)), (templated["good"], ())):
+        model = LlamaModel(str(path), n_ctx=256, n_threads=1, kv_type="f32", flash_attn="off")
+        try:
+            _, stops = chat_prompt_ids(model, None, None, "hello", quiet=True)
+        finally:
+            model.close()
+        assert stops == expected, path

@@ -846,6 +846,9 @@ def test_hf_names_are_not_paths_unless_on_disk(tmp_path, monkeypatch):
     (tmp_path / "org" / "repo").mkdir(parents=True)
     (tmp_path / "org" / "repo" / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
     assert reg.looks_like_path("org/repo/model-Q4_K_M.gguf")
+    # A mistyped path under a folder that is here stays a path (a missing file, never a download).
+    (tmp_path / "models").mkdir()
+    assert reg.looks_like_path("models/nope/x.gguf") and not reg.looks_like_path("elsewhere/nope/x.gguf")
 
 
 FILES = ["README.md", "m-Q4_K_M.gguf", "m-Q4_K_S.gguf", "m-IQ4_XS.gguf", "mmproj-m-Q8_0.gguf", "m-Q8_0.gguf",

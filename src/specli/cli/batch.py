@@ -292,6 +292,7 @@ def _chat_renderer(model_tgt, template, entries, *, quiet: bool):
     def prepare(item: batch.Item) -> None:
         if item.messages is not None:
             item.prompt_ids = encode(model_tgt, formatter.render(None, item.messages))
+            item.stop = (*formatter.stop, *item.stop)  # plain turns end at the next "User:" line, as in chat
 
     return prepare
 

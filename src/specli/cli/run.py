@@ -71,7 +71,8 @@ def run(
     try:
         model_tgt = loaded.model_tgt
         if chat:
-            prompt_ids = chat_prompt_ids(model_tgt, template, system, text, quiet=quiet)
+            prompt_ids, format_stop = chat_prompt_ids(model_tgt, template, system, text, quiet=quiet)
+            stops = (*format_stop, *stops)
         else:
             prompt_ids = model_tgt.tokenize(text, add_bos=model_tgt.vocab_info().add_bos)
         gen = loaded.decoder.generate(prompt_ids, max_tokens=max_tokens, stop=stops)
@@ -101,15 +102,17 @@ def run(
         loaded.close()
 
 
-def chat_prompt_ids(model, template: Optional[str], system: Optional[str], text: str, *, quiet: bool) -> list[int]:
+def chat_prompt_ids(model, template: Optional[str], system: Optional[str], text: str, *,
+                    quiet: bool) -> tuple[list[int], tuple[str, ...]]:  # fmt: skip
     """The tokens of `text` as one user message (after `system`) in the chat template that
-    `specli chat` would pick, with the assistant's turn opened."""
+    `specli chat` would pick, with the assistant's turn opened; and the format's own stop
+    strings (plain turns end where the model starts the next "User:" line, as in chat)."""
     from specli.session.chat import choose_formatter, encode
 
     formatter, notice = choose_formatter(model, template)
     if notice and not quiet:
         print(notice, file=sys.stderr)
-    return encode(model, formatter.render(system, [{"role": "user", "content": text}]))
+    return encode(model, formatter.render(system, [{"role": "user", "content": text}])), tuple(formatter.stop)
 
 
 def read_prompt(prompt: Optional[str]) -> str:

@@ -65,7 +65,7 @@ def parse_draft_length(text: str) -> int | str:
 
 def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
     """The stop strings as a tuple; SettingError("stop") for an empty one (it would match at once)."""
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not isinstance(s, str) or not s for s in stop):
         raise SettingError("stop", lambda name: f"{name} needs non-empty text (an empty stop string would end every generation at once)")
     return stop

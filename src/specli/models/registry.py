@@ -806,12 +806,14 @@ def _how_to_get(source: ModelSource) -> str:
 
 def looks_like_path(arg: str) -> bool:
     """True when a -m value names a file rather than a registry entry or a Hugging Face name
-    (`user/repo:QUANT`, `user/repo/file.gguf`: see models/hub.py); a file on disk wins."""
+    (`user/repo:QUANT`, `user/repo/file.gguf`: see models/hub.py); a file on disk wins, and so
+    does a name whose first part is a folder here."""
     from specli.models.hub import parse_hf_ref
 
     if os.path.exists(arg):
         return True
-    if parse_hf_ref(arg) is not None:
+    # A mistyped path under a local folder (models/nope/x.gguf) stays a path: never a download.
+    if parse_hf_ref(arg) is not None and not os.path.isdir(arg.split("/", 1)[0]):
         return False
     separators = [os.sep] + ([os.altsep] if os.altsep else [])
     return (
