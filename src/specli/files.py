@@ -4,11 +4,12 @@ lock that keeps two `batch` runs from writing one output, and reading inputs wit
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO, Iterable, Iterator
 
 from specli.errors import UsageError
 
@@ -33,6 +34,16 @@ def max_input_bytes() -> int:
     if value < 1:
         raise UsageError(f"{MAX_INPUT_ENV} must be a whole number of bytes >= 1, got {text!r}")
     return value
+
+
+@contextlib.contextmanager
+def open_to_read(path: Path) -> Iterator[tuple[IO[bytes], os.stat_result]]:
+    """`path` opened for binary reading, with what fstat says of it, so that the caller can
+    refuse a device or a directory before reading: opening never waits on a FIFO (O_NONBLOCK).
+    OSError when it cannot be opened or read."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as handle:
+        yield handle, os.fstat(fd)
 
 
 def read_limited(handle: IO[bytes], what: str) -> bytes:

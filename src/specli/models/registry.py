@@ -27,6 +27,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from specli.errors import RegistryError
+from specli.files import open_to_read
 
 REGISTRY_FILE = "models.toml"
 LOOKUP = "lookup"
@@ -158,21 +159,15 @@ def _read_file(path: Path) -> str:
     """The text of a registry file; RegistryError naming it when unreadable, not a regular
     file (a device such as /dev/zero, a FIFO: never read), over MAX_REGISTRY_BYTES or not UTF-8."""
     try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below anyway.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open_to_read(path) as (handle, info):
+            if not _stat.S_ISREG(info.st_mode):
+                kind = "a directory" if _stat.S_ISDIR(info.st_mode) else "not a regular file"
+                raise RegistryError(f"model registry {path} is {kind}; give the path of a models.toml file")
+            if info.st_size > MAX_REGISTRY_BYTES:
+                raise RegistryError(f"model registry {path} is {info.st_size} bytes, over the {MAX_REGISTRY_BYTES >> 20} MiB a models.toml may have; check the path")
+            data = handle.read(MAX_REGISTRY_BYTES + 1)
     except OSError as exc:
         raise RegistryError(f"cannot read model registry {path}: {exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(fd)
-        if not _stat.S_ISREG(info.st_mode):
-            kind = "a directory" if _stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise RegistryError(f"model registry {path} is {kind}; give the path of a models.toml file")
-        if info.st_size > MAX_REGISTRY_BYTES:
-            raise RegistryError(f"model registry {path} is {info.st_size} bytes, over the {MAX_REGISTRY_BYTES >> 20} MiB a models.toml may have; check the path")
-        try:
-            data = handle.read(MAX_REGISTRY_BYTES + 1)
-        except OSError as exc:
-            raise RegistryError(f"cannot read model registry {path}: {exc.strerror or exc}") from None
     if len(data) > MAX_REGISTRY_BYTES:  # it grew meanwhile
         raise RegistryError(f"model registry {path} is over the {MAX_REGISTRY_BYTES >> 20} MiB a models.toml may have; check the path")
     try:

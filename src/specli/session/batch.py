@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Optional, Union
 
 from specli.errors import UsageError
-from specli.files import read_limited, strip_bom, write_atomically
+from specli.files import open_to_read, read_limited, strip_bom, write_atomically
 from specli.decoding.engine import check_stop
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SettingError
@@ -325,23 +325,18 @@ def read_previous(path: Path) -> Previous:
     by a kill may be dropped, and only after at least one record. Reads nothing of a file over
     MAX_RESUME_BYTES, and no line past MAX_RECORD_BYTES."""
     try:
-        # O_NONBLOCK: a FIFO put in the output's place since it was checked must not hang us.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        # (a FIFO put in the output's place since it was checked must not hang us: open_to_read)
+        with open_to_read(path) as (handle, info):
+            if not stat.S_ISREG(info.st_mode):
+                raise NotAnOutput(f"{path} is not a regular file, so it cannot be a batch output; give a file name for -o, or '-' for stdout")
+            if info.st_size > MAX_RESUME_BYTES:
+                raise NotAnOutput(
+                    f"{path} is {info.st_size} bytes, over the {_size(MAX_RESUME_BYTES)} that batch reads back to resume; "
+                    "pick another -o, or pass --overwrite to replace the file"
+                )
+            return _read_records(handle, path)
     except OSError as err:
         raise UsageError(f"cannot read {path} to resume: {err.strerror} (pass --overwrite to start over)") from None
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise NotAnOutput(f"{path} is not a regular file, so it cannot be a batch output; give a file name for -o, or '-' for stdout")
-        if info.st_size > MAX_RESUME_BYTES:
-            raise NotAnOutput(
-                f"{path} is {info.st_size} bytes, over the {_size(MAX_RESUME_BYTES)} that batch reads back to resume; "
-                "pick another -o, or pass --overwrite to replace the file"
-            )
-        try:
-            return _read_records(handle, path)
-        except OSError as err:
-            raise UsageError(f"cannot read {path} to resume: {err.strerror} (pass --overwrite to start over)") from None
 
 
 def _read_records(handle: IO[bytes], path: Path) -> Previous:
