@@ -378,26 +378,10 @@ def test_save_on_a_full_disk_keeps_the_earlier_save(session, tmp_path, monkeypat
 
     real_fdopen = os.fdopen
 
-    class FullDisk:  # a file that takes 4096 bytes, then fails as a full disk does
-        def __init__(self, handle):
-            self.handle, self.written = handle, 0
+    from fixtures.helpers import FullDisk
 
-        def write(self, text):
-            if self.written + len(text) > 4096:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            self.written += len(text)
-            return self.handle.write(text)
-
-        def __getattr__(self, name):
-            return getattr(self.handle, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-    monkeypatch.setattr(files.os, "fdopen", lambda fd, *a, **k: FullDisk(real_fdopen(fd, *a, **k)))
+    # a file that takes 4096 bytes, then fails as a full disk does
+    monkeypatch.setattr(files.os, "fdopen", lambda fd, *a, **k: FullDisk(real_fdopen(fd, *a, **k), room=4096))
     session.messages.append({"role": "user", "content": "more " * 2000})
     session._save(str(path))
     assert "No space left on device" in session.err.getvalue() and "kept as it was" in session.err.getvalue()

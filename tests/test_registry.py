@@ -765,28 +765,12 @@ def test_read_only_home_says_where_and_how_to_point_elsewhere(chunked, monkeypat
 
 
 def test_full_disk_and_damaged_chunks_get_their_own_advice(chunked, monkeypatch):
-    import errno
-
     pkg, _, target = chunked
     real_fdopen = os.fdopen
 
-    class Full:
-        def __init__(self, handle):
-            self.handle = handle
+    from fixtures.helpers import FullDisk
 
-        def write(self, block):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def __getattr__(self, name):
-            return getattr(self.handle, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-    monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: Full(real_fdopen(fd, *a, **k)))
+    monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: FullDisk(real_fdopen(fd, *a, **k)))  # no room at all
     with pytest.raises(RegistryError, match=r"not enough disk space in .* \(3 MB\).*SPECLI_DEMO_DIR"):
         resolve_source(SOURCE)
     assert not target.exists() and not list(target.parent.glob("*.tmp"))
