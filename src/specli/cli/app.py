@@ -34,7 +34,7 @@ try:
     import typer
 
     from specli import __version__
-    from specli.cli import batch, bench, chat, models, run
+    from specli.cli import batch, bench, chat, models, run, serve
     from specli.cli.options import error_message
     from specli.errors import EXIT_RUNTIME, SpecliError
 except KeyboardInterrupt:
@@ -51,7 +51,7 @@ app = typer.Typer(
 )
 
 # The commands, in the order `specli --help` lists them.
-for _commands in (run.commands, chat.commands, models.commands, bench.commands, batch.commands):
+for _commands in (run.commands, chat.commands, serve.commands, models.commands, bench.commands, batch.commands):
     app.add_typer(_commands)
 
 

@@ -274,7 +274,7 @@ class SpeculativeDecoder:
 
     def sequence(
         self, prompt_ids: Sequence[int], *, max_tokens: int, cache: LlamaModel | SequenceView, max_pass: int,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] = (), seed: int | None = None,
     ) -> "SequenceStep":
         """A generation after `prompt_ids` for a loop that runs the target's passes itself.
 
@@ -282,6 +282,8 @@ class SpeculativeDecoder:
         MultiSequenceContext (its SequenceView); `max_pass` the most tokens one pass may evaluate
         for it. Checks the prompt and draws the seed now; nothing is evaluated before begin().
         A max_tokens below 1 (the CLI and batch items refuse it) ends the generation with no tokens.
+        `seed`, when given, replaces the sampling's own (the server keeps one decoder per setting
+        and gives each request its seed).
         """
         prompt = list(prompt_ids)
         # Kept although `run`, `chat` and `batch` check their prompts: library callers (tests,
@@ -293,10 +295,12 @@ class SpeculativeDecoder:
             raise SettingError(
                 "n_ctx", lambda name: f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}; raise {name} above {len(prompt)} or shorten the prompt"
             )
-        seed = None
-        if not self.sampling.greedy:
+        if self.sampling.greedy:
+            seed = None
+        else:
             # A fresh seed is drawn when none is given, and reported, so any run can be replayed.
-            seed = self.sampling.seed if self.sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
+            seed = seed if seed is not None else self.sampling.seed
+            seed = seed if seed is not None else int(np.random.SeedSequence().entropy % 2**32)
         gen = Generation(prompt_ids=prompt, seed=seed, stop=check_stop(stop), _stream=TextStream(self.model_tgt.piece))
         return SequenceStep(self, gen, cache, max_tokens, max_pass)
 

@@ -1,0 +1,140 @@
+"""`specli serve`: an OpenAI-compatible HTTP server with speculative decoding (server/).
+
+The HTTP stack is the `server` extra; without it the command says how to install it, and
+the rest of specli never imports it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specli.cli.options import (
+    Drafting, Memory, Models, Quiet, Sampling, Threads, Verbose, error_message, flatten, load_models, model_choice,
+)  # fmt: skip
+from specli.errors import UsageError
+
+commands = typer.Typer()
+
+DEFAULT_QUEUE = 64
+
+
+@commands.command("serve")
+@flatten
+def serve_command(
+    *,
+    models: Models,
+    drafting: Drafting,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; then set --api-key)."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: any free one, printed when ready)."),
+    parallel: int = typer.Option(1, "--parallel", "-np", "-P", help="Requests decoded together, their drafts verified in one target pass each step."),
+    queue: int = typer.Option(DEFAULT_QUEUE, "--queue", min=0, help="Requests that may wait for a free slot; beyond them, 503."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECLI_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (or set SPECLI_API_KEY)."),
+    max_tokens: Optional[int] = typer.Option(None, "-n", "--n-predict", "--max-tokens", min=1, help="Generated tokens per request when it sets no max_tokens (default: until the context is full)."),
+    memory: Memory,
+    threads: Threads = None,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
+    sampling: Sampling,
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for requests that set none (default: a fresh one per request, reported in its stats)."),
+    template: Optional[str] = typer.Option(None, "--template", help="A llama.cpp built-in chat template (chatml, gemma, llama3, ...) for chat requests, instead of the model's own."),
+) -> int:
+    """Serve the models over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
+    /v1/models, /health), drafting as `run` does. Ctrl-C or SIGTERM stops it cleanly."""
+    from specli.cli.batch import _check_parallel
+
+    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
+    _check_parallel(parallel, memory.n_ctx)
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key is empty; give a key, or leave the option out")
+    try:
+        from specli.server import app as server_app
+    except ImportError as err:
+        # (not 'specli[server]': another project is called specli on PyPI)
+        raise UsageError(f"specli serve needs the server extra ({err.name} is missing): pip install '.[server]' in specli's folder, or pip install starlette uvicorn") from None
+    from specli.llama.native import init_backend
+    from specli.server.scheduler import Scheduler
+    from specli.session.loading import plan
+
+    if template is not None:
+        from specli.session.chat import check_template_name
+
+        check_template_name(template)
+    sock = server_app.bind(host, port)  # a busy port fails before the slow load
+    try:
+        init_backend(verbose=verbose)
+        the_plan = plan(choice)
+        loaded = load_models(the_plan, choice, quiet=quiet, verbose=verbose)
+        try:
+            settings = _settings(loaded, the_plan, models, choice, api_key, max_tokens, template, quiet)
+            scheduler = Scheduler(loaded, n_seq=parallel, queue_limit=queue, n_threads=threads, describe=error_message)
+            service = server_app.Service(scheduler, loaded.model_tgt, settings)
+            bound_host, bound_port = server_app.address_of(sock)
+
+            def ready() -> None:
+                if quiet:
+                    return
+                shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+                drafting_text = "target only" if the_plan.mode == "target-only" else f"{the_plan.draft_label}, --draft-max {the_plan.n_draft}"
+                server_app.stderr_line(
+                    f"specli serve: listening on http://{shown}:{bound_port} (OpenAI base URL http://{shown}:{bound_port}/v1; "
+                    f"model '{settings.model_id}', {drafting_text}, --parallel {parallel}); Ctrl-C stops"
+                )
+                if api_key is None and not _is_loopback(bound_host):
+                    server_app.stderr_line(f"specli: warning: listening on {bound_host} without --api-key: anyone who can reach this port can use the models")
+
+            try:
+                server_app.serve(service, sock, on_ready=ready, verbose=verbose)
+            finally:
+                scheduler.close()
+        finally:
+            if parallel == 1:
+                loaded.close()  # (saves -n auto's measurements, as chat does)
+            else:
+                loaded.policy_path = None  # shared passes cost otherwise than one sequence's: not saved
+                loaded.close()
+    finally:
+        sock.close()
+    if not quiet:
+        print("specli serve: stopped", file=sys.stderr)
+    return 0
+
+
+def _settings(loaded, the_plan, models: Models, choice, api_key, max_tokens, template, quiet):
+    from specli.server.app import Settings
+    from specli.session.chat import choose_formatter
+
+    formatter, problem = None, None
+    try:
+        formatter, notice = choose_formatter(loaded.model_tgt, template)
+        if notice and not quiet:
+            print(notice, file=sys.stderr)
+    except UsageError as err:  # completions still work; chat requests get this reason
+        problem = str(err)
+        if not quiet:
+            print(f"specli: warning: chat requests will be refused: {problem}", file=sys.stderr)
+    path = Path(the_plan.target_path)
+    model_id = models.model if models.model and not _looks_like_file(models.model) else path.stem
+    aliases = {path.name, path.stem, str(path)} | ({models.model} if models.model else set())
+    log = None if quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    return Settings(
+        model_id=model_id, aliases=aliases, defaults=choice.sampling, api_key=api_key, default_max_tokens=max_tokens,
+        formatter=formatter, chat_problem=problem, log=log,
+    )  # fmt: skip
+
+
+def _looks_like_file(name: str) -> bool:
+    from specli.models.registry import looks_like_path
+
+    return looks_like_path(name)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

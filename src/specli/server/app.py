@@ -1,0 +1,347 @@
+"""`specli serve`'s HTTP side: the OpenAI routes on Starlette, served by uvicorn (the `server`
+extra). Requests are checked here (protocol.py) and tokenized; generation happens on the
+scheduler's thread, whose events come back through the event loop.
+
+Streaming is server-sent events as the OpenAI clients read them (`data: {chunk}`, then `data:
+[DONE]`). A client that leaves is noticed at once (Starlette listens for the disconnect while
+it streams; a plain request watches for it itself) and its job cancelled, which frees its slot
+before the next pass. SIGINT/SIGTERM: uvicorn stops accepting, the scheduler ends the running
+generations with what they have (finish_reason "length", stop_reason "interrupted") and fails
+queued ones with 503, each response is completed, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from specli.decoding.sampling import SamplingParams
+from specli.errors import SpecliError, UsageError
+from specli.server import protocol
+from specli.server.protocol import CHAT, TEXT, ApiError
+from specli.server.scheduler import Delta, Done, Failed, Job, QueueFull, Scheduler, ShuttingDown
+
+MAX_BODY_BYTES = 16 << 20  # a request body (a 128k-token conversation is well under 1 MiB)
+
+
+@dataclass
+class Settings:
+    """What the routes need besides the scheduler."""
+
+    model_id: str  # the name /v1/models lists
+    aliases: set[str]  # other names a request's `model` may use (the file's name, -m as typed)
+    defaults: SamplingParams  # the command line's sampling, which a request overrides
+    api_key: Optional[str] = None
+    default_max_tokens: Optional[int] = None  # -n; None: until the context is full
+    formatter: Any = None  # session.chat.Formatter for chat requests
+    chat_problem: Optional[str] = None  # why chat requests are refused (an unusable template)
+    log: Optional[Callable[[str], None]] = None  # a line per request (None: --quiet)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Service:
+    def __init__(self, scheduler: Scheduler, model_tgt, settings: Settings):
+        self.scheduler, self.model, self.settings = scheduler, model_tgt, settings
+        self.stopping = False
+
+    # --- routes -----------------------------------------------------------------------------------
+    async def health(self, http: HttpRequest) -> Response:
+        if self.stopping:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok", **self.scheduler.health()})
+
+    async def models(self, http: HttpRequest) -> Response:
+        self._check_key(http)
+        s = self.settings
+        entry = {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "specli",
+                 "meta": {"n_ctx": self.scheduler.n_ctx, "drafting": self.scheduler.mode, "draft_max": self.scheduler.n_draft,
+                          "parallel": len(self.scheduler.slots)}}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def chat(self, http: HttpRequest) -> Response:
+        return await self._generate(http, CHAT)
+
+    async def completions(self, http: HttpRequest) -> Response:
+        return await self._generate(http, TEXT)
+
+    # --- a generation -------------------------------------------------------------------------------
+    async def _generate(self, http: HttpRequest, kind: str) -> Response:
+        self._check_key(http)
+        req = protocol.parse_request(await _read_json(http), kind, self.settings.defaults)
+        self._check_model(req.model)
+        prompt_ids, format_stop = await run_in_threadpool(self._prompt_ids, req)
+        max_tokens = req.max_tokens or self.settings.default_max_tokens or self.scheduler.n_ctx
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job = Job(
+            prompt_ids, max_tokens, req.sampling, emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+            seed=req.seed, stop=(*format_stop, *req.stop),
+        )  # fmt: skip
+        try:
+            self.scheduler.submit(job)
+        except QueueFull:
+            raise ApiError(503, f"the server is busy ({self.scheduler.queue_limit} requests are waiting); retry later", code="server_busy") from None
+        except ShuttingDown:
+            raise ApiError(503, "the server is shutting down", code="shutting_down") from None
+        rid, t0 = protocol.new_id(kind), time.perf_counter()
+        if req.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(self._stream(job, events, req, rid, t0, http), media_type="text/event-stream", headers=headers)
+        try:
+            text = []
+            while True:
+                event = await _next_or_disconnect(events, http)
+                if event is None:  # the client left: nobody to answer
+                    return Response(status_code=499)
+                if isinstance(event, Delta):
+                    text.append(event.text)
+                elif isinstance(event, Failed):
+                    raise ApiError(event.status, event.message)
+                else:
+                    text.append(event.tail)
+                    gen = event.generation
+                    self._log(http, kind, event, t0)
+                    finish = protocol.FINISH_REASONS.get(gen.stop_reason, "stop")
+                    return JSONResponse(protocol.response_body(kind, rid, self.settings.model_id, "".join(text), finish, self._extra(event)))
+        finally:
+            self.scheduler.cancel(job)  # (nothing when it finished)
+
+    async def _stream(self, job: Job, events: asyncio.Queue, req: protocol.Request, rid: str, t0: float, http: HttpRequest):
+        kind, model, created = req.kind, self.settings.model_id, int(time.time())
+        try:
+            if kind == CHAT:
+                yield _sse(protocol.chunk(kind, rid, model, created, role=True))
+            while True:
+                event = await events.get()
+                if isinstance(event, Delta):
+                    yield _sse(protocol.chunk(kind, rid, model, created, text=event.text))
+                elif isinstance(event, Failed):
+                    yield _sse(ApiError(event.status, event.message).body())
+                    break
+                else:
+                    if event.tail:
+                        yield _sse(protocol.chunk(kind, rid, model, created, text=event.tail))
+                    finish = protocol.FINISH_REASONS.get(event.generation.stop_reason, "stop")
+                    extra = self._extra(event)
+                    yield _sse(protocol.chunk(kind, rid, model, created, finish_reason=finish, extra=extra))
+                    if req.include_usage:
+                        yield _sse(protocol.chunk(kind, rid, model, created, no_choices=True, extra=extra))
+                    self._log(http, kind, event, t0)
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            self.scheduler.cancel(job)  # a client that left mid-stream frees its slot now
+
+    # --- helpers ------------------------------------------------------------------------------------
+    def _check_key(self, http: HttpRequest) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = http.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "invalid or missing API key: send the server's --api-key as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key", kind="authentication_error")  # fmt: skip
+
+    def _check_model(self, name: Optional[str]) -> None:
+        s = self.settings
+        if name is not None and name != s.model_id and name not in s.aliases:
+            raise ApiError(404, f"model '{name}' is not served here; this server serves '{s.model_id}' (GET /v1/models)", param="model", code="model_not_found")
+
+    def _prompt_ids(self, req: protocol.Request) -> tuple[list[int], tuple[str, ...]]:
+        """The prompt's tokens (a chat rendered with the model's template) and the format's own
+        stop strings; ApiError when it is refused or does not fit the context."""
+        from specli.session.chat import encode
+
+        model, stops = self.model, ()
+        if req.kind == CHAT:
+            if self.settings.chat_problem:
+                raise ApiError(400, self.settings.chat_problem, param="messages")
+            formatter = self.settings.formatter
+            try:
+                ids = encode(model, formatter.render(None, req.messages))
+            except SpecliError as err:
+                raise ApiError(400, str(err), param="messages") from None
+            stops = tuple(formatter.stop)
+        elif req.prompt_ids is not None:
+            bad = next((t for t in req.prompt_ids if not 0 <= t < model.n_vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is not in the model's vocabulary (0..{model.n_vocab - 1})", param="prompt")
+            ids = req.prompt_ids
+        else:
+            ids = model.tokenize(req.prompt, add_bos=model.vocab_info().add_bos)
+        n_ctx = self.scheduler.n_ctx
+        if not ids:
+            raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
+        if len(ids) >= n_ctx:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens but a request's context holds {n_ctx}; shorten it, or restart the server with a larger -c",
+                           param="messages" if req.kind == CHAT else "prompt", code="context_length_exceeded")  # fmt: skip
+        return ids, stops
+
+    def _extra(self, event: Done) -> dict:
+        gen = event.generation
+        spec = protocol.speculative(gen.stats, mode=self.scheduler.mode, n_draft=self.scheduler.n_draft, seed=gen.seed, stop_reason=gen.stop_reason)
+        return {"usage": protocol.usage(len(gen.prompt_ids), len(gen.token_ids)), "speculative": spec, "timings": protocol.timings(gen.stats)}
+
+    def _log(self, http: HttpRequest, kind: str, event: Done, t0: float) -> None:
+        if self.settings.log is None:
+            return
+        stats = event.generation.stats
+        parts = [f"{http.url.path}: {stats.n_tokens} tokens in {time.perf_counter() - t0:.2f} s"]
+        if stats.tokens_per_s:
+            parts.append(f"{stats.tokens_per_s:.1f} tok/s")
+        if self.scheduler.mode != "target-only":
+            parts += stats.drafting_summary()
+        if stats.prompt_reused:
+            parts.append(f"{stats.prompt_reused}/{stats.prompt_tokens} prompt tokens reused")
+        parts.append(f"slot {event.slot}, {event.generation.stop_reason}")
+        self.settings.log(", ".join(parts))
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _read_json(http: HttpRequest) -> Any:
+    """The body as JSON, at most MAX_BODY_BYTES (413 beyond)."""
+    length = http.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is {int(length):,} bytes; at most {MAX_BODY_BYTES:,}")
+    data = bytearray()
+    async for piece in http.stream():
+        data += piece
+        if len(data) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES:,} bytes")
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON ({err})") from None
+
+
+async def _next_or_disconnect(events: asyncio.Queue, http: HttpRequest):
+    """The next event, or None when the client disconnects first."""
+    get = asyncio.ensure_future(events.get())
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if get in done:
+        return get.result()
+    get.cancel()
+    return None
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- the app and the server -------------------------------------------------------------------------
+def make_app(service: Service) -> Starlette:
+    async def api_error(_request, err: ApiError) -> Response:
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    async def http_error(_request, err: HTTPException) -> Response:
+        message = {404: "no such endpoint (see GET /v1/models, POST /v1/chat/completions, POST /v1/completions)",
+                   405: "method not allowed here"}.get(err.status_code, err.detail)  # fmt: skip
+        return JSONResponse(ApiError(err.status_code, message).body(), status_code=err.status_code, headers=getattr(err, "headers", None))
+
+    async def internal(_request, err: Exception) -> Response:
+        return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}: {err} (a bug in specli; please report it)").body(), status_code=500)
+
+    routes = [
+        Route("/health", service.health, methods=["GET"]),
+        Route("/v1/models", service.models, methods=["GET"]),
+        Route("/v1/chat/completions", service.chat, methods=["POST"]),
+        Route("/v1/completions", service.completions, methods=["POST"]),
+        # llama-server's and some clients' spellings without the version
+        Route("/models", service.models, methods=["GET"]),
+        Route("/chat/completions", service.chat, methods=["POST"]),
+        Route("/completions", service.completions, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal})
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (before the models load: a busy port fails at once)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise UsageError(f"cannot listen on {host}: {err.strerror}; give an address such as 127.0.0.1 or 0.0.0.0 (--host)") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror}; pick another --port (or stop what uses it)") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, telling the scheduler when a signal asks it to stop, and exiting 0 after a
+    clean stop rather than re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, service: Service, on_ready: Callable[[], None]):
+        super().__init__(config)
+        self.service, self.on_ready = service, on_ready
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        self.loop = asyncio.get_running_loop()
+        if self.started and not self.should_exit:
+            self.on_ready()
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+        self.service.stopping = True
+        if self.loop is not None:  # (a signal handler must not take the scheduler's lock itself)
+            self.loop.call_soon_threadsafe(self.service.scheduler.stop)
+
+
+def serve(service: Service, sock: socket.socket, *, on_ready: Callable[[], None], verbose: bool = False) -> None:
+    """Serve until SIGINT/SIGTERM, then stop the scheduler and wait for it."""
+    config = uvicorn.Config(
+        make_app(service), lifespan="off", http="h11", loop="asyncio", log_level="info" if verbose else "warning",
+        access_log=verbose, timeout_graceful_shutdown=30, log_config=None if not verbose else uvicorn.config.LOGGING_CONFIG,
+    )  # fmt: skip
+    server = _Server(config, service, on_ready)
+    service.scheduler.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.stopping = True
+        service.scheduler.stop()
+        service.scheduler.join(timeout=60)
+        sock.close()
+    if not server.started:
+        raise SpecliError("the HTTP server did not start (--verbose shows uvicorn's log)")
+
+
+def address_of(sock: socket.socket) -> tuple[str, int]:
+    host, port = sock.getsockname()[:2]
+    return host, port
+
+
+def stderr_line(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

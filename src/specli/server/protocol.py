@@ -1,0 +1,246 @@
+"""The OpenAI wire format, without HTTP: a request body checked and turned into a `Request`,
+and the response bodies and stream chunks built from a finished or running generation.
+
+Leniency follows the clients: unknown fields are ignored (editors and agents send vendor
+fields), known fields we do not implement are accepted at their neutral value (n=1,
+logprobs=false, presence_penalty=0, ...) and refused otherwise, so nothing a client asked for is
+silently dropped. Every refusal is an ApiError: status, message, and the field at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from specli.decoding.engine import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_TOKENS, STOP_STRING
+from specli.decoding.sampling import SamplingParams
+from specli.decoding.stats import Stats
+from specli.errors import SettingError
+
+CHAT = "chat.completion"
+TEXT = "text_completion"
+ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; llama-server any)
+
+# The sampling fields a request may set, with the JSON types they take (bool is refused where a
+# number is wanted: True is 1 in Python, never in intent).
+SAMPLING_FIELDS = {
+    "temperature": float, "top_p": float, "top_k": int, "min_p": float,
+    "repeat_penalty": float, "repeat_last_n": int,
+}  # fmt: skip
+# OpenAI fields specli does not implement, with the values that mean "not used".
+NEUTRAL = {
+    "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
+    "suffix": ("",), "tools": ([],), "functions": ([],),
+}  # fmt: skip
+
+
+class ApiError(Exception):
+    """A refused request: its HTTP status and OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None, kind: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Request:
+    """One checked completion request."""
+
+    kind: str  # CHAT or TEXT
+    model: Optional[str]
+    messages: Optional[list[dict]]  # chat: [{"role", "content": str}], system/developer first or anywhere
+    prompt: Optional[str]  # completions: the text (None when given as token ids)
+    prompt_ids: Optional[list[int]]  # completions given as token ids
+    max_tokens: Optional[int]  # None: until the context is full (or the server's -n)
+    sampling: SamplingParams  # seed left None: `seed` is the request's
+    seed: Optional[int]
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage and no choices
+
+
+def _number(body: dict, name: str, kind: type) -> Any:
+    value = body[name]
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=name)
+    return kind(value)
+
+
+def _text_content(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (joined); images are refused."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ApiError(400, f"{where}: only text content parts are supported, got {kind!r}", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(400, f"{where}: 'content' must be a string or a list of text parts", param="messages")
+
+
+def _messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(400, f"{where} must be an object with 'role' and 'content'", param="messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
+        if message.get("tool_calls"):
+            raise ApiError(400, f"{where}: tool calls are not supported", param="messages")
+        content = message.get("content")
+        content = "" if content is None and role == "assistant" else _text_content(content, where)
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _prompt(value: Any) -> tuple[Optional[str], Optional[list[int]]]:
+    """A completion prompt: a string, a list of one string, or a list of token ids."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        if not value:
+            raise ApiError(400, "'prompt' is empty; give some text to continue", param="prompt")
+        return value, None
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None, list(value)
+    if isinstance(value, list) and len(value) > 1:
+        raise ApiError(400, "one prompt per request; send the others as their own requests", param="prompt")
+    raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of them", param="stop")
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"'stop' holds {len(stops)} strings; at most {MAX_STOP}", param="stop")
+    return tuple(stops)
+
+
+def parse_request(body: Any, kind: str, defaults: SamplingParams) -> Request:
+    """Check a decoded JSON body for /v1/chat/completions (CHAT) or /v1/completions (TEXT).
+    `defaults`: the server's sampling settings (its command line), which a request overrides."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name, neutral in NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            raise ApiError(400, f"'{name}' = {body[name]!r} is not supported by specli (leave it out)", param=name)
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise ApiError(400, "'response_format' other than text is not supported (leave it out)", param="response_format")
+    messages = prompt = prompt_ids = None
+    if kind == CHAT:
+        if "messages" not in body:
+            raise ApiError(400, "'messages' is required", param="messages")
+        messages = _messages(body["messages"])
+    else:
+        if "prompt" not in body:
+            raise ApiError(400, "'prompt' is required", param="prompt")
+        prompt, prompt_ids = _prompt(body["prompt"])
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string", param="model")
+
+    max_tokens = None
+    for name in ("max_tokens", "max_completion_tokens", "n_predict"):
+        if body.get(name) is not None:
+            max_tokens = _number(body, name, int)
+            if max_tokens < 1:
+                raise ApiError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
+            break
+    fields = {name: _number(body, name, kind_) for name, kind_ in SAMPLING_FIELDS.items() if body.get(name) is not None}
+    seed = _number(body, "seed", int) if body.get("seed") is not None else defaults.seed
+    try:
+        sampling = dataclasses.replace(defaults, **fields, seed=None).validate()
+    except SettingError as err:
+        raise ApiError(400, err.worded(f"'{err.setting}'"), param=err.setting) from None
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    return Request(
+        kind=kind, model=model, messages=messages, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
+        sampling=sampling, seed=seed, stop=_stop(body.get("stop")), stream=stream,
+        include_usage=bool(options.get("include_usage")),
+    )  # fmt: skip
+
+
+# --- responses ------------------------------------------------------------------------------------
+FINISH_REASONS = {
+    STOP_EOS: "stop", STOP_STRING: "stop", STOP_MAX_TOKENS: "length", STOP_CONTEXT_FULL: "length",
+    STOP_INTERRUPTED: "length",  # the server is shutting down: the text is cut short
+}  # fmt: skip
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def speculative(stats: Stats, *, mode: str, n_draft: int | str, seed: Optional[int], stop_reason: Optional[str]) -> dict:
+    """This request's drafting figures (stats.py defines each), beside `usage`."""
+    s = stats.to_dict()
+    keep = ("drafted", "accepted", "acceptance_rate", "target_passes", "mean_tokens_per_pass", "tokens_per_s",
+            "prompt_tokens", "prompt_reused", "prompt_s", "wall_s", "mean_draft_length")  # fmt: skip
+    return {"mode": mode, "draft_max": n_draft, **{k: s[k] for k in keep}, "seed": seed, "stop_reason": stop_reason}
+
+
+def timings(stats: Stats) -> dict:
+    """llama-server's `timings` object, for tools that read it."""
+    gen_ms = stats.generation_s * 1000
+    prompt_n = stats.prompt_tokens - stats.prompt_reused
+    return {
+        "cache_n": stats.prompt_reused, "prompt_n": prompt_n, "prompt_ms": round(stats.prompt_s * 1000, 3),
+        "prompt_per_second": round(prompt_n / stats.prompt_s, 3) if stats.prompt_s > 0 else None,
+        "predicted_n": stats.n_tokens, "predicted_ms": round(gen_ms, 3),
+        "predicted_per_second": round(stats.n_tokens / stats.generation_s, 3) if stats.generation_s > 0 else None,
+        "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
+    }  # fmt: skip
+
+
+def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, extra: dict) -> dict:
+    """The whole (non-streamed) response; `extra`: usage, speculative, timings."""
+    if kind == CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], **extra}
+
+
+def chunk(kind: str, rid: str, model: str, created: int, *, text: Optional[str] = None, role: bool = False,
+          finish_reason: Optional[str] = None, extra: Optional[dict] = None, no_choices: bool = False) -> dict:  # fmt: skip
+    """One streamed chunk: a piece of text, the chat's opening role, or the finish (with `extra`)."""
+    if no_choices:
+        choices = []
+    elif kind == CHAT:
+        delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    else:
+        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+    obj = "chat.completion.chunk" if kind == CHAT else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, **(extra or {})}

@@ -1,0 +1,344 @@
+"""The server's generation loop, without HTTP: one thread owns the models; requests wait in a
+bounded queue for one of P slots; every pass verifies all active slots together.
+
+A slot is a sequence of the target's cache (with `--parallel 1`, the target's own context: the
+very path `specli run` takes; else one sequence of a MultiSequenceContext, as `batch
+--parallel`), with its own drafter and one SpeculativeDecoder per sampling setting. Each pass
+is parallel.py's: every active slot plans its draft (SequenceStep.plan), one target pass
+evaluates them all, each slot commits its own verdict. Between passes the loop takes new jobs
+into free slots and frees the slots of jobs whose client left.
+
+A slot keeps its cache after its job ends, and a new job goes to the free slot whose cache
+shares the longest prefix with its prompt: a client that resends the conversation so far
+evaluates only what is new (SequenceStep.begin keeps the common prefix).
+
+The front end talks to the loop through `submit`, `cancel` and `stop`, all thread-safe; the
+loop answers through each job's `emit` callback (called on the loop's thread) with Delta,
+Done and Failed events.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from specli.decoding.drafters import Drafter
+from specli.decoding.engine import Generation, SequenceStep, SpeculativeDecoder
+from specli.decoding.parallel import ParallelRunner, item_error
+from specli.decoding.sampling import SamplingParams
+from specli.errors import SpecliError
+from specli.llama.model import LlamaModel, common_prefix_len
+from specli.session.loading import Loaded
+
+DECODERS_PER_SLOT = 8  # sampling settings kept per slot (each a decoder with its own -n auto policy)
+
+
+@dataclass
+class Delta:
+    text: str  # text released since the previous event
+
+
+@dataclass
+class Done:
+    generation: Generation  # finished (its stop_reason set); no longer touched by the loop
+    tail: str  # text released since the last Delta
+    slot: int
+
+
+@dataclass
+class Failed:
+    message: str
+    status: int = 500  # 400: the request's own fault; 503: the server is stopping
+
+
+Event = Delta | Done | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's generation, as the loop sees it."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    emit: Callable[[Event], None]
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    cancelled: bool = False
+    t_submitted: float = field(default_factory=time.perf_counter)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+class _OneSequence:
+    """`--parallel 1`: the target's own context behind MultiSequenceContext's pass API."""
+
+    n_seq = 1
+
+    def __init__(self, model: LlamaModel):
+        self.model = model
+        self.n_batch = model.n_batch
+
+    def eval(self, requests: dict, *, logits: str = "all") -> dict:
+        return {s: self.model.eval(tokens, logits="all") for s, tokens in requests.items()}
+
+
+class _Slot:
+    def __init__(self, drafter: Optional[Drafter], cache, n_draft: int | str):
+        self.drafter, self.cache, self.n_draft = drafter, cache, n_draft
+        self.decoders: collections.OrderedDict[SamplingParams, SpeculativeDecoder] = collections.OrderedDict()
+        self.job: Optional[Job] = None
+        self.seq: Optional[SequenceStep] = None
+        self.sent = 0  # characters of the generation's text already emitted
+        self.last_used = 0
+
+    def decoder(self, model_tgt: LlamaModel, sampling: SamplingParams) -> SpeculativeDecoder:
+        """This slot's decoder for `sampling` (seed-free: each job brings its seed); the least
+        recently used one goes beyond DECODERS_PER_SLOT."""
+        key = dataclasses.replace(sampling, seed=None)
+        decoder = self.decoders.pop(key, None) or SpeculativeDecoder(model_tgt, self.drafter, self.n_draft, key)
+        self.decoders[key] = decoder
+        while len(self.decoders) > DECODERS_PER_SLOT:
+            self.decoders.popitem(last=False)
+        return decoder
+
+
+class Scheduler:
+    def __init__(
+        self, loaded: Loaded, *, n_seq: int, queue_limit: int, n_threads: Optional[int] = None, describe=str,
+        kv_type: str = "f16", flash_attn: str = "auto",
+    ):  # fmt: skip
+        self.model_tgt = loaded.model_tgt
+        self.mode = loaded.plan.mode
+        self.n_draft = loaded.decoder.n_draft_label
+        self.queue_limit = queue_limit
+        self.describe = describe
+        self.runner: Optional[ParallelRunner] = None
+        if n_seq == 1:
+            self.seqs = _OneSequence(self.model_tgt)
+            caches, drafters = [self.model_tgt], [loaded.decoder.drafter]
+            self.max_pass = self.model_tgt.n_batch
+        else:
+            self.runner = ParallelRunner(
+                self.model_tgt, self.mode, self.n_draft, n_seq, n_threads=n_threads, model_dft=loaded.model_dft, describe=describe,
+                kv_type=kv_type, flash_attn=flash_attn,
+            )  # fmt: skip
+            self.seqs, caches, drafters = self.runner.seqs, self.runner.views, self.runner.drafters
+            self.max_pass = self.seqs.n_batch // n_seq  # every sequence's part fits the shared batch
+        self.slots = [_Slot(d, c, self.n_draft) for d, c in zip(drafters, caches)]
+        if n_seq == 1:  # the loaded decoder, with the saved -n auto measurements, serves its own setting
+            self.slots[0].decoders[dataclasses.replace(loaded.decoder.sampling, seed=None)] = loaded.decoder
+        self.n_ctx = self.slots[0].cache.n_ctx
+        self._cond = threading.Condition()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+        self._uses = 0
+        # For /health: counts since start.
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "passes": 0, "most_sequences_in_a_pass": 0, "tokens": 0}
+
+    # --- the front end's side (any thread) ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="specli-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; QueueFull beyond the bound, ShuttingDown once stop() was called."""
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDown()
+            if len(self._pending) >= self.queue_limit:
+                raise QueueFull()
+            self._pending.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client left: drop the job (its slot is freed before the next pass)."""
+        with self._cond:
+            if job.cancelled:
+                return
+            job.cancelled = True
+            try:
+                self._pending.remove(job)
+                self.counts["cancelled"] += 1
+            except ValueError:
+                pass  # in a slot, or done: the loop sees the flag
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Stop taking jobs: queued ones fail (503), running ones end now with what they have."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+    def health(self) -> dict:
+        with self._cond:
+            busy = sum(slot.job is not None for slot in self.slots)
+            return {"slots_idle": len(self.slots) - busy, "slots_processing": busy, "queued": len(self._pending), **self.counts}
+
+    # --- the loop (its own thread) ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._pending and not self._active():
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                starts = self._assign()
+            for s in starts:
+                self._start(s)
+            self._drop_cancelled()
+            active = self._active()
+            if active:
+                self._pass(active)
+        self._shut_down()
+
+    def _active(self) -> list[int]:
+        return [s for s, slot in enumerate(self.slots) if slot.job is not None]
+
+    def _assign(self) -> list[int]:
+        """Give queued jobs the free slots (under the lock): to each, the free slot whose cache
+        shares the longest prefix with its prompt, else the one used least recently."""
+        starts = []
+        free = [s for s, slot in enumerate(self.slots) if slot.job is None]
+        while free and self._pending:
+            job = self._pending.popleft()
+            best = max(free, key=lambda s: (common_prefix_len(self.slots[s].cache.cached, job.prompt_ids), -self.slots[s].last_used))
+            free.remove(best)
+            self.slots[best].job = job
+            starts.append(best)
+        return starts
+
+    def _start(self, s: int) -> None:
+        slot = self.slots[s]
+        job = slot.job
+        self._uses += 1
+        slot.last_used = self._uses
+        try:
+            decoder = slot.decoder(self.model_tgt, job.sampling)
+            slot.seq = decoder.sequence(
+                job.prompt_ids, max_tokens=job.max_tokens, cache=slot.cache, max_pass=self.max_pass, stop=job.stop, seed=job.seed,
+            )  # fmt: skip
+            slot.sent = 0
+            if common_prefix_len(slot.cache.cached, job.prompt_ids) <= 1:
+                # Nothing worth keeping (at most BOS): start from an empty cache, so the prompt is
+                # evaluated in the very batches `run` uses (another split rounds otherwise on
+                # quantized models, enough to flip a near-tie).
+                slot.cache.truncate(0)
+            slot.seq.begin()
+        except Exception as err:
+            self._fail(s, err)
+
+    def _drop_cancelled(self) -> None:
+        for s, slot in enumerate(self.slots):
+            if slot.job is not None and slot.job.cancelled:
+                self._free(s)  # (its cache stays: a resent conversation reuses it)
+                self.counts["cancelled"] += 1
+
+    def _free(self, s: int) -> None:
+        with self._cond:
+            self.slots[s].job = None
+            self.slots[s].seq = None
+
+    def _fail(self, s: int, err: Exception) -> None:
+        job = self.slots[s].job
+        status = 400 if isinstance(err, SpecliError) and err.exit_code == 2 else 500
+        self._free(s)
+        self._clear(s)
+        self.counts["failed"] += 1
+        _emit(job, Failed(item_error(err, self.describe), status))
+
+    def _clear(self, s: int) -> None:
+        """Empty slot s's caches after a failure (what a failed pass left there is unknown)."""
+        try:
+            if self.runner is not None:
+                self.runner._clear(s)
+            else:
+                self.model_tgt.reset()
+        except Exception:
+            pass
+
+    def _finish(self, s: int) -> None:
+        slot = self.slots[s]
+        job, gen = slot.job, slot.seq.gen
+        self._free(s)
+        self.counts["completed"] += 1
+        self.counts["tokens"] += len(gen.token_ids)
+        _emit(job, Done(gen, gen.text[slot.sent :], s))
+
+    def _pass(self, active: list[int]) -> None:
+        """One step of every active slot around one target pass (parallel.py's _pass)."""
+        requests = {}
+        for s in active:
+            slot = self.slots[s]
+            try:
+                if slot.seq.ended():
+                    self._finish(s)
+                    continue
+                requests[s] = slot.seq.plan()
+            except Exception as err:
+                self._fail(s, err)
+        if not requests:
+            return
+        t_pass, cpu_pass = time.perf_counter(), time.process_time()
+        try:
+            rows = self.seqs.eval(requests, logits="all")
+        except Exception as err:
+            for s in requests:
+                self._fail(s, err)
+            return
+        cpu_s, pass_s = time.process_time() - cpu_pass, time.perf_counter() - t_pass
+        self.counts["passes"] += 1
+        self.counts["most_sequences_in_a_pass"] = max(self.counts["most_sequences_in_a_pass"], len(requests))
+        n_pass = sum(len(tokens) for tokens in requests.values())
+        for s in requests:
+            slot = self.slots[s]
+            try:
+                slot.seq.commit(rows[s], pass_s, cpu_s=cpu_s, share=len(requests[s]) / n_pass)
+            except Exception as err:
+                self._fail(s, err)
+                continue
+            gen = slot.seq.gen
+            if slot.seq.ended():  # (an end-of-generation token, a stop string, max_tokens, a full context)
+                self._finish(s)
+            elif len(gen.text) > slot.sent:
+                _emit(slot.job, Delta(gen.text[slot.sent :]))
+                slot.sent = len(gen.text)
+
+    def _shut_down(self) -> None:
+        with self._cond:
+            pending, self._pending = list(self._pending), collections.deque()
+        for job in pending:
+            _emit(job, Failed("the server is shutting down; send the request again once it is back", 503))
+        for s in self._active():
+            slot = self.slots[s]
+            if slot.seq is not None and not slot.job.cancelled:
+                slot.seq.gen.interrupt()
+                self._finish(s)
+            else:
+                self._free(s)
+
+
+def _emit(job: Job, event: Event) -> None:
+    try:
+        job.emit(event)
+    except Exception:  # the front end is gone (its loop closed): nobody to tell
+        pass
