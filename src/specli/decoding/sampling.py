@@ -139,8 +139,10 @@ def probabilities(logits: np.ndarray, params: SamplingParams, history: Sequence[
 
     Deviations from llama.cpp: softmax, cumulative mass and thresholds are float64 (llama.cpp:
     float32), so a token exactly at the top-p or min-p boundary may fall the other way. Ties are
-    ordered by token id (llama.cpp: whatever its partial sort leaves); which of several tokens
-    tied at the top-k boundary survive is arbitrary in both; greedy ties go to the lowest id.
+    ordered by token id (llama.cpp: whatever its partial sort leaves), so of several tokens tied
+    at the top-k boundary the lowest ids survive (llama.cpp: arbitrary); greedy ties go to the
+    lowest id. Min-p is applied first on the raw logits where that provably keeps the same
+    tokens (`_min_p_first`): one pass instead of a full-vocabulary top-p when top-k is off.
     Stages off by default in llama.cpp are not implemented: logit bias and the vocabulary's
     suppress tokens, DRY, top-n-sigma, typical-p, XTC, frequency/presence penalties, dynamic
     temperature, mirostat, min_keep (always 0 here).
@@ -152,13 +154,17 @@ def probabilities(logits: np.ndarray, params: SamplingParams, history: Sequence[
     if params.greedy:
         return _one_hot(int(np.argmax(row)), n_vocab)
 
-    ids, vals, is_sorted = _top_k(row, params.top_k)
-    if params.top_p < 1:
-        ids, vals = _top_p(ids, vals, params.top_p, is_sorted)
-    if params.min_p > 0:
-        # llama.cpp compares logits, not probabilities: exp(l - max) >= min_p <=> l >= max + log(min_p)
-        keep = vals >= vals.max() + math.log(params.min_p)
-        ids, vals = ids[keep], vals[keep]
+    kept = _min_p_first(row, params) if params.min_p > 0 else None
+    if kept is not None:
+        ids, vals = kept
+    else:
+        ids, vals, is_sorted = _top_k(row, params.top_k)
+        if params.top_p < 1:
+            ids, vals = _top_p(ids, vals, params.top_p, is_sorted)
+        if params.min_p > 0:
+            # llama.cpp compares logits, not probabilities: exp(l - max) >= min_p <=> l >= max + log(min_p)
+            keep = vals >= vals.max() + math.log(params.min_p)
+            ids, vals = ids[keep], vals[keep]
 
     probs = np.zeros(n_vocab, dtype=np.float64)
     # Shifted before dividing, so that a tiny temperature (even 1e-310) cannot overflow into
@@ -211,6 +217,69 @@ def _penalize(row: np.ndarray, params: SamplingParams, history: Sequence[int]) -
     return out
 
 
+def _min_p_first(row: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray] | None:
+    """The chain's survivors (ids, float64 logits, sorted descending) from the min-p cut alone,
+    or None where that cannot decide them (then the stages run in order).
+
+    Every stage keeps a prefix of the same order (descending, ties by id; min-p's threshold
+    never splits ties), so the survivors are the shortest of the three prefixes, and min-p's,
+    C = {l >= max + log(min_p)}, takes one pass over the raw logits (top-k and top-p keep the
+    argmax, so the max is the same). With |C| >= k the k largest are all in C: top-k and top-p
+    run on C only, exactly as they would on the row. With |C| < k, top-p would need the
+    softmax over all k (or V) survivors of top-k; but the result is C itself whenever C less
+    its last token holds under top_p of even C's own mass (a lower bound of that softmax's
+    total): then top-p's prefix reaches C's end. The margin keeps float rounding (~1e-15) of
+    the full computation from deciding otherwise; near it, and for NaN rows or flat rows with
+    thousands of candidates, the stages run in order.
+    """
+    if row.dtype.kind != "f":
+        return None
+    best = float(row.max())
+    if not math.isfinite(best):
+        return None
+    threshold = best + math.log(params.min_p)  # float64, as the chain compares
+    # A superset in the row's own dtype (one pass, no float64 copy of the row): the nearest
+    # float to the threshold rounded down, then the exact float64 test on the few candidates.
+    loose = np.nextafter(row.dtype.type(threshold), row.dtype.type(-np.inf))
+    ids = np.flatnonzero(row >= loose)
+    if ids.shape[0] > _MIN_P_MAX_CANDIDATES:
+        return None
+    vals = row[ids].astype(np.float64)
+    keep = vals >= threshold
+    ids, vals = ids[keep], vals[keep]
+    order = _descending(vals)  # ids ascending: ties go to the lower id, as everywhere
+    ids, vals = ids[order], vals[order]
+    n_vocab = row.shape[0]
+    k = params.top_k if 0 < params.top_k < n_vocab else n_vocab
+    if ids.shape[0] >= k:
+        if k == n_vocab:  # no top-k: top-p's softmax is over the row, summed in id order there
+            return None
+        ids, vals = ids[:k], vals[:k]
+        if params.top_p < 1:
+            ids, vals = _top_p(ids, vals, params.top_p, True)
+        return ids, vals
+    if params.top_p < 1 and ids.shape[0] >= 2:
+        weights = np.exp(vals - vals[0])
+        head = weights[:-1].sum()
+        if not head < params.top_p * weights.sum() * (1 - _MIN_P_MARGIN):
+            if k < n_vocab:
+                return None
+            # No top-k: the softmax's total over the row, in float32 (one pass, no float64
+            # copy; its relative error is ~1e-6 at most, hence the wider margin)
+            with np.errstate(under="ignore"):
+                total = float(np.exp(row - row.dtype.type(best)).sum(dtype=np.float64))
+            if not head < params.top_p * total * (1 - _MIN_P_MARGIN_ROW):
+                return None
+    return ids, vals
+
+
+# Beyond this many min-p candidates (a flat row, a tiny min_p) sorting them costs more than
+# the stages in order.
+_MIN_P_MAX_CANDIDATES = 4096
+_MIN_P_MARGIN = 1e-9
+_MIN_P_MARGIN_ROW = 1e-5
+
+
 def _top_k(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, bool]:
     """(ids, float64 logits, sorted?) of the k largest; all of them when k is 0 or >= V."""
     n_vocab = row.shape[0]
@@ -233,14 +302,25 @@ def _largest(values: np.ndarray, k: int) -> np.ndarray:
     """
     n = values.shape[0]
     stride = math.isqrt(n // k)
+    candidates = None
     if stride >= 2:
         sample = values[::stride]
         threshold = np.partition(sample, sample.shape[0] - k)[sample.shape[0] - k]
         candidates = np.flatnonzero(values >= threshold)
-        if candidates.shape[0] >= k:  # fails only for NaN thresholds; then do it the long way
-            part = np.argpartition(values[candidates], candidates.shape[0] - k)
-            return candidates[part[candidates.shape[0] - k :]]
-    return np.argpartition(values, n - k)[n - k :]
+        if candidates.shape[0] < k:  # only for NaN thresholds; then do it the long way
+            candidates = None
+    sub = values if candidates is None else values[candidates]
+    m = sub.shape[0]
+    kth = sub[np.argpartition(sub, m - k)[m - k]]
+    # Of the values tied with the k-th largest, the lowest ids (which ones argpartition keeps
+    # is arbitrary, and the fast min-p path keeps the lowest: both must keep the same)
+    above = np.flatnonzero(sub > kth)
+    tied = np.flatnonzero(sub == kth)[: k - above.shape[0]]
+    if above.shape[0] + tied.shape[0] != k:  # NaNs: no order to speak of
+        chosen = np.argpartition(sub, m - k)[m - k :]
+    else:
+        chosen = np.concatenate((above, tied))
+    return chosen if candidates is None else candidates[chosen]
 
 
 def _descending(vals: np.ndarray) -> np.ndarray:
