@@ -358,6 +358,8 @@ def fit_cmd(
     machine = fit.detect_memory(device)
     overhead = round(overhead_gb * fit.GB)
     est = fit.estimate(target, draft_shape, n_ctx=ctx, kv_type=kv_type, n_draft=n_draft, overhead=overhead)
+    if memory.rpc is not None:
+        return _fit_rpc(est, machine, memory, json_out=json_out)
     placement = fit.place(est, machine, ngl, draft_ngl)
     ok = fit.fits(placement, machine)
     need = placement.gpu_bytes if machine.kind == "gpu" else placement.ram_bytes
@@ -375,6 +377,45 @@ def fit_cmd(
         print(json.dumps(out))
     else:
         _print_fit(est, machine, placement, ok, need, suggestions)
+    return 0 if ok else EXIT_DOES_NOT_FIT
+
+
+def _fit_rpc(est, machine, memory: Memory, *, json_out: bool) -> int:
+    """fit --rpc: the target's offloaded layers over the local GPU (if any) and the RPC
+    servers' devices (each reports its free memory), the rest on this machine."""
+    from specli.llama import rpc
+    from specli.models import fit
+
+    endpoints = memory.rpc_endpoints()
+    remote = rpc.add_servers(endpoints)
+    local = [(f"this machine: {machine.name}", machine.free)] if machine.kind == "gpu" else []
+    devices = local + [(f"{d.endpoint} ({d.name})", d.free) for d in remote]
+    shares = memory.split()
+    if shares is not None and len(shares) != len(devices):
+        raise UsageError(f"--tensor-split gives {len(shares)} shares for {len(devices)} devices (local GPU first, then the servers'); give one each")
+    split = fit.rpc_split(est, devices, memory.ngl, shares)
+    room_here = machine.ram_free if machine.kind == "gpu" else machine.free
+    ok = split.fits and split.local_bytes <= room_here
+    ngl = split.offloaded
+    command = None
+    if split.suggested is not None:
+        command = f"--rpc {','.join(endpoints)} -ngl {ngl} --tensor-split {','.join(str(n) for n in split.suggested)}"
+    if json_out:
+        out = {
+            "fits": ok, "ngl": ngl, "local_bytes": split.local_bytes, "local_free": room_here,
+            "devices": [{"name": d.name, "free": d.free, "layers": d.layers, "bytes": d.bytes, "fits": d.fits} for d in split.devices],
+            "suggested_tensor_split": list(split.suggested) if split.suggested is not None else None, "suggestion": command,
+        }  # fmt: skip
+        print(json.dumps(out))
+    else:
+        print(f"target: {est.target.label}, {ngl} of {est.target.n_layer} layers offloaded over {len(devices)} device(s):")
+        for d in split.devices:
+            print(f"  {d.name}: {d.layers} layers, {fit.gb(d.bytes)} of {fit.gb(d.free)} free{'' if d.fits else '  DOES NOT FIT'}")
+        print(f"  this machine (other layers, draft, logits, overhead): {fit.gb(split.local_bytes)} of {fit.gb(room_here)} free"
+              + ("" if split.local_bytes <= room_here else "  DOES NOT FIT"))  # fmt: skip
+        print(("fits" if ok else "does not fit") + (f"; a split that fits: {command}" if command and not split.fits else ""))
+        if split.suggested is None:
+            print("no split of these layers fits these devices: lower -ngl, -c or pick a smaller quantization")
     return 0 if ok else EXIT_DOES_NOT_FIT
 
 

@@ -42,6 +42,8 @@ MAX_THREADS_PER_CPU = 4
 # --ngl / --draft-ngl: -1 (all layers) or a count up to this. llama.cpp keeps the count in 32 bits
 # (a larger number would wrap around silently); GGUF models have at most 512 layers.
 MAX_NGL = 10_000
+# --tensor-split: llama.cpp's LLAMA_MAX_DEVICES (its tensor_split array has this many entries).
+MAX_DEVICES = 16
 
 # The core names a setting it refuses by its field (SettingError); the CLI says its option.
 OPTION_NAMES = {
@@ -98,12 +100,35 @@ class Memory:
     n_ctx: Annotated[int, typer.Option("-c", "--ctx", min=MIN_CTX, max=MAX_CTX, help="Context size in tokens (prompt + output).")] = _CHOICE.n_ctx
     ngl: Annotated[int, typer.Option("-ngl", "--ngl", "--n-gpu-layers", help="Target layers to offload to the GPU (-1 = all).")] = _CHOICE.ngl
     draft_ngl: Annotated[int, typer.Option("-ngld", "--draft-ngl", "--n-gpu-layers-draft", help="Draft model layers to offload to the GPU (-1 = all).")] = _CHOICE.draft_ngl
+    rpc: Annotated[Optional[str], typer.Option("--rpc", metavar="HOST:PORT,...", help="Split the target's offloaded layers (-ngl) over these llama.cpp rpc-server machines too (after the local GPUs). Unauthenticated: trusted networks only.")] = None
+    tensor_split: Annotated[Optional[str], typer.Option("-ts", "--tensor-split", metavar="N,N,...", help="With --rpc: each device's share of the offloaded layers (local GPUs first, then the servers in order), e.g. 3,1.")] = None
+    draft_rpc: Annotated[bool, typer.Option("--draft-rpc", help="With --rpc: put the draft model's offloaded layers on the same devices (default: it stays on this machine).")] = False
 
     def check(self) -> None:
-        """UsageError unless --ngl and --draft-ngl are -1 (all layers) or 0..MAX_NGL."""
+        """UsageError unless --ngl and --draft-ngl are -1 (all layers) or 0..MAX_NGL, and the
+        RPC options are well formed."""
         for option, value in (("--ngl", self.ngl), ("--draft-ngl", self.draft_ngl)):
             if not -1 <= value <= MAX_NGL:
                 raise UsageError(f"{option} must be -1 (all layers) or a layer count from 0 to {MAX_NGL:,}, got {value}")
+        if self.rpc is None and (self.tensor_split is not None or self.draft_rpc):
+            raise UsageError(f"{'--tensor-split' if self.tensor_split is not None else '--draft-rpc'} only applies with --rpc HOST:PORT")
+
+    def rpc_endpoints(self) -> tuple[str, ...]:
+        from specli.llama.rpc import parse_endpoints  # (imports llama_cpp: only when asked)
+
+        return parse_endpoints(self.rpc) if self.rpc is not None else ()
+
+    def split(self) -> tuple[float, ...] | None:
+        """--tensor-split as numbers; UsageError for anything but non-negative shares."""
+        if self.tensor_split is None:
+            return None
+        try:
+            shares = tuple(float(x) for x in self.tensor_split.replace("/", ",").split(","))
+        except ValueError:
+            shares = ()
+        if not shares or any(not (x >= 0) or x == float("inf") for x in shares) or not sum(shares) > 0 or len(shares) > MAX_DEVICES:
+            raise UsageError(f"--tensor-split takes up to {MAX_DEVICES} non-negative shares, not all 0, separated by commas (e.g. 3,1), got '{self.tensor_split}'")
+        return shares
 
 
 @dataclass
@@ -195,6 +220,7 @@ def model_choice(
     return ModelChoice(
         models.model, models.draft, models.lookup, drafting.target_only, drafting.n_draft,
         memory.n_ctx, memory.ngl, memory.draft_ngl, threads, sampling.params(seed),
+        rpc=memory.rpc_endpoints(), tensor_split=memory.split(), draft_rpc=memory.draft_rpc,
     )  # fmt: skip
 
 

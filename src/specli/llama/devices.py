@@ -5,11 +5,9 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-import llama_cpp
 
-from specli.llama.native import ensure_backend
+from specli.llama.native import ensure_backend, ggml_library
 
 
 @dataclass(frozen=True)
@@ -34,11 +32,9 @@ def backend_devices() -> list[BackendDevice]:
     """
     try:
         ensure_backend()
-        lib_dir = Path(llama_cpp.__file__).parent / "lib"
-        names = sorted(lib_dir.glob("libggml.so*")) + sorted(lib_dir.glob("libggml*.dylib")) + sorted(lib_dir.glob("ggml.dll"))
-        if not names:
+        lib = ggml_library("libggml")  # (the copy libllama uses: it holds the device registry)
+        if lib is None:
             return []
-        lib = ctypes.CDLL(str(names[0]))
         lib.ggml_backend_dev_count.restype = ctypes.c_size_t
         lib.ggml_backend_dev_get.restype = ctypes.c_void_p
         lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]

@@ -92,8 +92,15 @@ class LlamaModel:
         n_batch: int = 512,
         kv_type: str = "f16",
         flash_attn: str = "auto",
+        devices: Sequence[int] | None = None,
+        tensor_split: Sequence[float] | None = None,
     ):
         """Load `path` (every layer offloaded to the GPU by default) and create its context.
+
+        devices: the ggml devices (ggml_backend_dev_t) the offloaded layers go to (None:
+        llama.cpp's choice, every local GPU; [] keeps the model on the CPU; rpc.py's devices
+        put layers on other machines). tensor_split: each device's share of those layers, in
+        that order (None: by free memory, as llama.cpp does).
 
         kv_type and flash_attn are llama.cpp's defaults. Batched and one-token decodes then
         differ by ~1e-2 in the logits; kv_type="f32" with flash_attn="off" brings that to
@@ -111,6 +118,13 @@ class LlamaModel:
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         mparams.progress_callback = progress_callback  # cancels the load on Ctrl-C
+        fields = dict(llama_cpp.llama_model_params._fields_)
+        if devices is not None:  # a NULL-terminated array, read during the load only
+            device_array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            mparams.devices = ctypes.cast(device_array, fields["devices"])
+        if tensor_split is not None:
+            split_array = (ctypes.c_float * llama_cpp.llama_max_devices())(*tensor_split)
+            mparams.tensor_split = ctypes.cast(split_array, fields["tensor_split"])
         clear_native_log()
         with native:
             model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)

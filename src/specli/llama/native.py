@@ -127,3 +127,28 @@ def init_backend(*, verbose: bool = False) -> None:
 def ensure_backend() -> None:
     """init_backend() unless done already, keeping the verbosity chosen then."""
     init_backend(verbose=_verbose)
+
+
+# --- ggml's own libraries ---------------------------------------------------------------------
+def ggml_library(stem: str):
+    """The ctypes handle of one of the ggml libraries llama_cpp loaded ("libggml",
+    "libggml-base"): the very copy libllama uses. The wheel ships each under several names
+    (libggml.so, .so.0, .so.0.25.3) as separate files, and loading another name than the one
+    libllama was linked against gives a second copy with its own globals (its own device
+    registry, its own abort callback). On Linux the mapped file is read from /proc/self/maps;
+    elsewhere the SONAME-like name is preferred. None when no such library exists."""
+    from pathlib import Path
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                name = os.path.basename(path)
+                if name.startswith(stem + ".so") and os.path.dirname(path) == str(lib_dir):
+                    return ctypes.CDLL(path)
+    except OSError:
+        pass
+    candidates = sorted(lib_dir.glob(f"{stem}.so.*"), key=lambda p: len(p.name)) + sorted(lib_dir.glob(f"{stem}.so"))
+    candidates += sorted(lib_dir.glob(f"{stem}*.dylib")) + sorted(lib_dir.glob(f"{stem.removeprefix('lib')}.dll"))
+    return ctypes.CDLL(str(candidates[0])) if candidates else None

@@ -568,3 +568,72 @@ def pair_warnings(target: ModelShape, draft: ModelShape | None, n_ctx: int) -> l
         # The draft's own line only when the target's is not said already (one line is enough).
         lines += [None if lines[0] else ctx_warning(draft, n_ctx, draft=True), larger_draft_warning(target, draft)]
     return [line for line in lines if line]
+
+
+# --- the target split over RPC servers (fit --rpc) ----------------------------------------------
+@dataclass(frozen=True)
+class SplitDevice:
+    """One device the target's offloaded layers are split over: a local GPU or an RPC server's."""
+
+    name: str
+    free: int
+    layers: int = 0  # of the target's, in this split
+    bytes: int = 0  # their weights and KV cache
+
+    @property
+    def fits(self) -> bool:
+        return self.bytes <= self.free
+
+
+@dataclass(frozen=True)
+class RpcSplit:
+    devices: tuple[SplitDevice, ...]  # local GPUs first, then the servers', as --tensor-split counts them
+    offloaded: int  # target layers on these devices (-ngl)
+    local_bytes: int  # what stays on this machine's RAM/GPU besides: other layers, the draft, logits, overhead
+    suggested: tuple[int, ...] | None  # a --tensor-split (layers per device) that fits, or None when none does
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.devices)
+
+
+def layers_by_share(n_layers: int, shares: tuple[float, ...]) -> list[int]:
+    """How llama.cpp deals `n_layers` offloaded layers to devices by `shares` (cumulative
+    proportions, each layer to the device whose cumulative share it falls under)."""
+    total = sum(shares)
+    bounds, acc = [], 0.0
+    for s in shares:
+        acc += s / total
+        bounds.append(acc)
+    counts = [0] * len(shares)
+    for i in range(n_layers):
+        position = i / n_layers
+        counts[next((d for d, b in enumerate(bounds) if position < b), len(shares) - 1)] += 1
+    return counts
+
+
+def rpc_split(est: Estimate, devices: list[tuple[str, int]], ngl: int, shares: tuple[float, ...] | None = None) -> RpcSplit:
+    """The target's offloaded layers (-ngl) over `devices` ((name, free bytes): local GPUs, then
+    the RPC servers'), by `shares` (--tensor-split; None: by free memory, as llama.cpp does).
+    Each device holds its layers' weights and KV cache (compute buffers not counted: leave some
+    room); the rest of the estimate stays local. `suggested`: layers per device that fit, as
+    many as -ngl asks, filled in proportion to free memory and capped by each device's room."""
+    n_layer = est.target.n_layer
+    offloaded = n_layer if ngl < 0 or ngl > n_layer else ngl
+    per_layer = (est.weights_target + est.kv_target) / max(1, n_layer)
+    frees = [free for _, free in devices]
+    counts = layers_by_share(offloaded, shares if shares is not None else tuple(max(f, 1) for f in frees))
+    split = tuple(SplitDevice(name, free, n, round(n * per_layer)) for (name, free), n in zip(devices, counts))
+    local = est.total - round(offloaded * per_layer)
+    rooms = [int(f // per_layer) if per_layer else offloaded for f in frees]
+    suggested = None
+    if sum(rooms) >= offloaded:
+        want = layers_by_share(offloaded, tuple(max(f, 1) for f in frees))
+        take = [min(w, r) for w, r in zip(want, rooms)]
+        short = offloaded - sum(take)
+        for d in sorted(range(len(take)), key=lambda d: rooms[d] - take[d], reverse=True):  # the rest where room is left
+            extra = min(short, rooms[d] - take[d])
+            take[d] += extra
+            short -= extra
+        suggested = tuple(take)
+    return RpcSplit(split, offloaded, local, suggested)

@@ -44,6 +44,12 @@ class ModelChoice:
     draft_ngl: int = -1
     threads: int | None = None
     sampling: SamplingParams = GREEDY
+    # The target's layers on llama.cpp RPC servers (llama/rpc.py): their HOST:PORTs, each
+    # device's share of the offloaded layers (None: by free memory), and whether the draft
+    # model goes there too (else it stays on this machine).
+    rpc: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] | None = None
+    draft_rpc: bool = False
 
 
 @dataclass
@@ -103,6 +109,8 @@ def policy_key(p: Plan, choice: ModelChoice) -> dict:
         "draft": str(p.draft_path.resolve()) if p.draft_path else None,
         "draft_size": p.draft_path.stat().st_size if p.draft_path else None,
         "mode": p.mode, "threads": choice.threads, "ngl": choice.ngl, "draft_ngl": choice.draft_ngl, "specli": __version__,
+        # (a pass over the network costs otherwise: measurements for --rpc are kept apart)
+        **({"rpc": list(choice.rpc), "tensor_split": choice.tensor_split, "draft_rpc": choice.draft_rpc} if choice.rpc else {}),
     }  # fmt: skip
 
 
@@ -203,9 +211,32 @@ def check_headers(p: Plan, n_ctx: int) -> list[str]:
     return fit.pair_warnings(target, draft, n_ctx)
 
 
+def rpc_devices(choice: ModelChoice) -> tuple[list[int] | None, list[int] | None]:
+    """The devices for the target and the draft model: (None, None) without --rpc (llama.cpp's
+    choice: every local GPU); with it, the local GPUs and then the RPC servers' devices for the
+    target, and the local GPUs alone for the draft unless --draft-rpc."""
+    if not choice.rpc:
+        return None, None
+    from specli.llama import rpc
+
+    remote = [d.handle for d in rpc.add_servers(choice.rpc)]
+    local = rpc.local_accelerators()
+    target = local + remote
+    if choice.tensor_split is not None and len(choice.tensor_split) != len(target):
+        raise UsageError(
+            f"--tensor-split gives {len(choice.tensor_split)} shares but the target has {len(target)} devices to split over "
+            f"({len(local)} local GPU(s), then {len(remote)} from --rpc); give one share each, in that order"
+        )
+    return target, target if choice.draft_rpc else local
+
+
 def load(p: Plan, choice: ModelChoice) -> Loaded:
     """Load the models of a plan and build the decoder. Raises SpecliError subclasses."""
-    model_tgt = LlamaModel(p.target_path, n_ctx=choice.n_ctx, n_gpu_layers=choice.ngl, n_threads=choice.threads)
+    devices_tgt, devices_dft = rpc_devices(choice)
+    model_tgt = LlamaModel(
+        p.target_path, n_ctx=choice.n_ctx, n_gpu_layers=choice.ngl, n_threads=choice.threads,
+        devices=devices_tgt, tensor_split=choice.tensor_split,
+    )  # fmt: skip
     model_dft = None
     try:
         if model_tgt.is_recurrent_or_hybrid:
@@ -215,7 +246,7 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
             )
         if p.mode in ("draft-model", HYBRID):
             assert p.draft_path is not None
-            model_dft = LlamaModel(p.draft_path, n_ctx=choice.n_ctx, n_gpu_layers=choice.draft_ngl, n_threads=choice.threads)
+            model_dft = LlamaModel(p.draft_path, n_ctx=choice.n_ctx, n_gpu_layers=choice.draft_ngl, n_threads=choice.threads, devices=devices_dft)
             if model_dft.is_recurrent_or_hybrid:
                 raise UsageError(f"{p.draft_path.name} is a recurrent or hybrid model; use a transformer draft model")
             if p.draft_path.resolve() != p.target_path.resolve():

@@ -1,0 +1,170 @@
+"""The target split over llama.cpp RPC servers (--rpc): two servers on 127.0.0.1 (tests/fixtures/
+rpc.py: the RPC-enabled llama-cpp-python's own server) hold some of its layers, this machine
+the rest. Needs llama-cpp-python built with -DGGML_RPC=on (the README's test command)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fixtures import synthetic
+from fixtures.rpc import free_port, rpc_servers
+
+N_LAYER = 4
+
+
+def specli(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specli", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A 4-layer F32 pair: -ngl 3 leaves one block (and the output) here, three go remote."""
+    return synthetic.make_pair(tmp_path_factory.mktemp("rpc-pair"), "perturbed", seed=5, noise=0.05, n_layer=N_LAYER)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    with rpc_servers(2, log_dir=tmp_path_factory.mktemp("rpc-logs")) as started:
+        yield [endpoint for endpoint, _ in started]
+
+
+def run_json(target, *args) -> dict:
+    result = specli("run", "-m", str(target), "--temperature", "0", "-n", "40", "-c", "256", "--threads", "1", "--json", "-q", *args,
+                    "a b c d e f g a b c d e f g a b c")  # fmt: skip (repeats: lookup drafts)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_llama_cpp_python_has_rpc():
+    """The other tests need it; say how to get it, once, rather than fail obscurely."""
+    import llama_cpp
+
+    assert llama_cpp.llama_supports_rpc(), (
+        "llama-cpp-python was built without RPC: CMAKE_ARGS=-DGGML_RPC=on pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36"
+    )
+
+
+@pytest.mark.parametrize("drafting", [["--target-only"], ["--lookup", "--draft-max", "4"], ["-md", "DRAFT", "--draft-max", "3"]],
+                         ids=["target-only", "lookup", "draft-model"])  # fmt: skip
+def test_a_split_target_gives_the_all_local_output(pair, servers, drafting):
+    target, draft = pair
+    drafting = [str(draft) if a == "DRAFT" else a for a in drafting]
+    local = run_json(target, *drafting)
+    split = run_json(target, *drafting, "-ngl", "3", "--rpc", ",".join(servers), "--tensor-split", "2,1")
+    # F32 weights, the same CPU kernels on both sides of the wire: token for token.
+    assert split["token_ids"] == local["token_ids"] and split["text"] == local["text"]
+    if drafting[0] != "--target-only":
+        assert split["stats"]["drafted"] > 0
+
+
+def test_the_draft_model_can_go_remote_too(pair, servers):
+    target, draft = pair
+    local = run_json(target, "-md", str(draft), "--draft-max", "3")
+    remote = run_json(target, "-md", str(draft), "--draft-max", "3", "--rpc", servers[0], "--draft-rpc")
+    assert remote["token_ids"] == local["token_ids"]
+
+
+def test_nobody_listening_is_one_line_and_exit_2(pair):
+    target, _ = pair
+    t0 = time.monotonic()
+    result = specli("run", "-m", str(target), "--rpc", f"127.0.0.1:{free_port()}", "-n", "4", "hi", timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach the RPC server" in lines[0], result.stderr
+    assert time.monotonic() - t0 < 60  # (the deadline of the call itself: it did not hang)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--rpc", "nohost"], "HOST:PORT"),
+    (["--rpc", "127.0.0.1:0"], "HOST:PORT"),
+    (["--tensor-split", "1,1"], "only applies with --rpc"),
+    (["--draft-rpc"], "only applies with --rpc"),
+    (["--rpc", "127.0.0.1:1", "--tensor-split", "1,x"], "--tensor-split"),
+])  # fmt: skip
+def test_bad_rpc_options_are_refused_before_loading(pair, args, says):
+    target, _ = pair
+    result = specli("run", "-m", str(target), *args, "-n", "4", "hi", timeout=60)
+    assert result.returncode == 2 and says in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_split_with_the_wrong_number_of_shares_is_refused(pair, servers):
+    target, _ = pair
+    result = specli("run", "-m", str(target), "--rpc", ",".join(servers), "--tensor-split", "1,1,1", "-ngl", "3", "-n", "4", "hi")
+    assert result.returncode == 2 and "2 devices" in result.stderr, result.stderr
+
+
+def test_without_rpc_in_the_build_it_says_how_to_reinstall(pair):
+    target, _ = pair
+    code = (
+        "import sys, llama_cpp; llama_cpp.llama_supports_rpc = lambda: False\n"
+        "from specli.cli.app import main\n"
+        f"sys.argv = ['specli', 'run', '-m', {str(target)!r}, '--rpc', '127.0.0.1:50052', '-n', '4', 'hi']; main()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "CMAKE_ARGS" in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_generation_is_one_line_exit_1_and_the_text_so_far_is_kept(pair, tmp_path):
+    target, _ = pair
+    with rpc_servers(1, log_dir=tmp_path) as started:
+        endpoint, server = started[0]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specli", "run", "-m", str(target), "--target-only", "--temperature", "0", "-n", "5000", "-c", "4096",
+             "--threads", "1", "-q", "-ngl", "3", "--rpc", endpoint, "Once upon a time"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        first = proc.stdout.read(8)  # the generation streams: text is coming through the server
+        server.send_signal(signal.SIGKILL)
+        rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specli: error:") and "RPC" in lines[0], err
+    assert len(first + rest) >= 8  # what was streamed before the loss stays on stdout
+
+
+# --- fit --rpc's arithmetic (pure) -----------------------------------------------------------------
+def test_layers_are_dealt_as_llama_cpp_deals_them():
+    from specli.models.fit import layers_by_share
+
+    assert layers_by_share(10, (1, 1)) == [5, 5]
+    assert layers_by_share(10, (3, 1)) == [8, 2]  # cumulative bounds 0.75, 1.0: layers 0-7, then 8-9
+    assert layers_by_share(3, (0, 1, 0)) == [0, 3, 0]
+
+
+def test_a_split_that_does_not_fit_gets_one_that_does():
+    from specli.models import fit
+
+    GB = fit.GB
+    shape = fit.ModelShape("t", weight_bytes=40 * GB, n_head_kv=(8,) * 40, head_dim_k=128, head_dim_v=128, n_vocab=32000, origin="test")
+    est = fit.estimate(shape, None, n_ctx=4096, overhead=2 * GB)
+    per_layer = (est.weights_target + est.kv_target) / 40
+    # Two servers, one with room for 30 layers, one for 12: the even split overfills the small one.
+    devices = [("big", int(30.5 * per_layer)), ("small", int(12.5 * per_layer))]
+    even = fit.rpc_split(est, devices, -1, (1, 1))
+    assert [d.layers for d in even.devices] == [20, 20] and not even.fits
+    assert even.suggested is not None and sum(even.suggested) == 40
+    assert all(n * per_layer <= free for n, (_, free) in zip(even.suggested, devices))
+    assert fit.rpc_split(est, devices, -1, tuple(float(n) for n in even.suggested)).fits
+    # Not enough room anywhere for all 40: no suggestion, and -ngl 30 fits on the big one alone.
+    assert fit.rpc_split(est, [("a", int(10 * per_layer)), ("b", int(10 * per_layer))], -1).suggested is None
+    fewer = fit.rpc_split(est, devices, 30)
+    assert fewer.offloaded == 30 and fewer.local_bytes > est.total - 40 * per_layer
+
+
+def test_fit_counts_the_servers_memory(pair, servers):
+    target, _ = pair
+    result = specli("fit", "-m", str(target), "--rpc", ",".join(servers), "-c", "256", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert [d["name"].split(" ")[0] for d in out["devices"]] == servers  # (no local GPU here)
+    assert all(d["free"] > 0 for d in out["devices"]) and out["fits"]
+    assert sum(d["layers"] for d in out["devices"]) == out["ngl"] == N_LAYER
+    human = specli("fit", "-m", str(target), "--rpc", ",".join(servers), "-c", "256", "-ngl", "3", "--tensor-split", "1,2")
+    assert human.returncode == 0 and "3 of 4 layers offloaded" in human.stdout and servers[1] in human.stdout, human.stderr
