@@ -1,6 +1,6 @@
 """On a GPU build of llama-cpp-python: full offload, partial splits and `fit`'s device query.
 
-Skipped unless llama.cpp has a GPU backend (llama_supports_gpu_offload); benchmarks/gpu_check.sh
+Skipped unless llama.cpp sees a GPU device (an RPC build offloads, to servers, without one); benchmarks/gpu_check.sh
 builds one and runs these with `-m gpu`. The no-GPU run of that script is checked here too.
 """
 
@@ -16,11 +16,14 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
+from specli.llama.devices import backend_devices
 from test_cli import specli
 
 ROOT = Path(__file__).resolve().parents[1]
-HAS_GPU = bool(llama_cpp.llama_supports_gpu_offload())
-needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="llama.cpp has no GPU backend in this build")
+# A GPU device, not just offload support: an RPC-enabled build supports offload (to RPC
+# servers) without any GPU.
+HAS_GPU = bool(llama_cpp.llama_supports_gpu_offload()) and any(d.kind in ("gpu", "igpu") for d in backend_devices())
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="no GPU device (llama.cpp's device list has none)")
 PROMPT = "Once upon a time"
 
 

@@ -142,20 +142,23 @@ def test_a_split_that_does_not_fit_gets_one_that_does():
     from specli.models import fit
 
     GB = fit.GB
-    shape = fit.ModelShape("t", weight_bytes=40 * GB, n_head_kv=(8,) * 40, head_dim_k=128, head_dim_v=128, n_vocab=32000, origin="test")
+    shape = fit.ModelShape("t", weight_bytes=41 * GB, n_head_kv=(8,) * 40, head_dim_k=128, head_dim_v=128, n_vocab=32000, origin="test")
     est = fit.estimate(shape, None, n_ctx=4096, overhead=2 * GB)
-    per_layer = (est.weights_target + est.kv_target) / 40
-    # Two servers, one with room for 30 layers, one for 12: the even split overfills the small one.
-    devices = [("big", int(30.5 * per_layer)), ("small", int(12.5 * per_layer))]
+    per_block = est.weights_target / 41 + est.kv_target / 40
+    # -ngl -1: 40 blocks and the output layer, 41 slots. Room for 30 and for 12: an even split
+    # overfills the small one.
+    devices = [("big", int(30.5 * per_block)), ("small", int(12.5 * per_block))]
     even = fit.rpc_split(est, devices, -1, (1, 1))
-    assert [d.layers for d in even.devices] == [20, 20] and not even.fits
-    assert even.suggested is not None and sum(even.suggested) == 40
-    assert all(n * per_layer <= free for n, (_, free) in zip(even.suggested, devices))
-    assert fit.rpc_split(est, devices, -1, tuple(float(n) for n in even.suggested)).fits
-    # Not enough room anywhere for all 40: no suggestion, and -ngl 30 fits on the big one alone.
-    assert fit.rpc_split(est, [("a", int(10 * per_layer)), ("b", int(10 * per_layer))], -1).suggested is None
+    assert [(d.layers, d.output) for d in even.devices] == [(21, False), (19, True)] and not even.fits
+    assert even.offloaded == 40 and even.suggested is not None and sum(even.suggested) == 41
+    fixed = fit.rpc_split(est, devices, -1, tuple(float(n) for n in even.suggested))
+    assert fixed.fits and [d.layers + d.output for d in fixed.devices] == list(even.suggested)
+    assert fixed.local_bytes == est.total - sum(d.bytes for d in fixed.devices)
+    # Not enough room anywhere for all 41: no suggestion.
+    assert fit.rpc_split(est, [("a", int(10 * per_block)), ("b", int(10 * per_block))], -1).suggested is None
+    # -ngl 30: thirty blocks, no output layer, the rest stays here.
     fewer = fit.rpc_split(est, devices, 30)
-    assert fewer.offloaded == 30 and fewer.local_bytes > est.total - 40 * per_layer
+    assert fewer.offloaded == 30 and sum(d.layers for d in fewer.devices) == 30 and not any(d.output for d in fewer.devices)
 
 
 def test_fit_counts_the_servers_memory(pair, servers):

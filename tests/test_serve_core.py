@@ -258,3 +258,37 @@ def test_the_rest_of_specli_imports_and_runs_without_the_server_extra():
     missing = subprocess.run([sys.executable, "-c", code, "serve", "--lookup"], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2, missing.stderr
     assert missing.stderr.count("\n") == 1 and "pip install '.[server]'" in missing.stderr
+
+
+def test_seed_minus_one_is_a_fresh_seed_and_other_negatives_are_refused():
+    assert parse_request({"prompt": "hi", "seed": -1}, TEXT, dataclasses.replace(DEFAULTS, seed=3)).seed is None
+    assert refused({"prompt": "hi", "seed": -2}).param == "seed"
+
+
+def test_the_queue_bound_counts_what_waits_beyond_the_free_slots(model):
+    """--queue 0 with free slots still takes requests; a burst fills the free slots first."""
+    scheduler = Scheduler(loaded_for(model), n_seq=2, queue_limit=0, n_threads=1)  # (not started: nothing leaves the queue)
+    try:
+        scheduler.submit(job_for(model, PROMPTS[0], 5, Collector()))
+        scheduler.submit(job_for(model, PROMPTS[1], 5, Collector()))
+        with pytest.raises(QueueFull):
+            scheduler.submit(job_for(model, PROMPTS[2], 5, Collector()))
+    finally:
+        scheduler.close()
+
+
+def test_a_loop_that_dies_answers_every_waiting_request(model, monkeypatch):
+    scheduler = Scheduler(loaded_for(model), n_seq=1, queue_limit=4, n_threads=1)
+    monkeypatch.setattr(scheduler, "_assign", lambda: 1 / 0)  # a bug in the loop
+    waiting = Collector()
+    scheduler.submit(job_for(model, PROMPTS[0], 5, waiting))
+    scheduler.start()
+    try:
+        failed = waiting.result(timeout=30)
+        assert isinstance(failed, Failed) and failed.status == 500 and "ZeroDivisionError" in failed.message
+        assert scheduler.join(30) and scheduler.broken
+        with pytest.raises(ShuttingDown):
+            scheduler.submit(job_for(model, PROMPTS[1], 5, Collector()))
+    finally:
+        scheduler.stop()
+        scheduler.close()

@@ -388,29 +388,30 @@ def _fit_rpc(est, machine, memory: Memory, *, json_out: bool) -> int:
 
     endpoints = memory.rpc_endpoints()
     remote = rpc.add_servers(endpoints)
-    local = [(f"this machine: {machine.name}", machine.free)] if machine.kind == "gpu" else []
-    devices = local + [(f"{d.endpoint} ({d.name})", d.free) for d in remote]
+    local = [rpc.device_memory(handle) for handle in rpc.local_accelerators()]
+    # llama.cpp's order: the servers' devices, then the local GPUs (run --rpc splits so)
+    devices = [(f"{d.endpoint} ({d.name})", d.free) for d in remote] + [(f"this machine ({name})", free) for name, free, _ in local]
     shares = memory.split()
     if shares is not None and len(shares) != len(devices):
-        raise UsageError(f"--tensor-split gives {len(shares)} shares for {len(devices)} devices (local GPU first, then the servers'); give one each")
+        raise UsageError(f"--tensor-split gives {len(shares)} shares for {len(devices)} devices (the servers', then the local GPUs); give one each")
     split = fit.rpc_split(est, devices, memory.ngl, shares)
     room_here = machine.ram_free if machine.kind == "gpu" else machine.free
     ok = split.fits and split.local_bytes <= room_here
     ngl = split.offloaded
     command = None
     if split.suggested is not None:
-        command = f"--rpc {','.join(endpoints)} -ngl {ngl} --tensor-split {','.join(str(n) for n in split.suggested)}"
+        command = f"--rpc {','.join(endpoints)} -ngl {memory.ngl} --tensor-split {','.join(str(n) for n in split.suggested)}"
     if json_out:
         out = {
             "fits": ok, "ngl": ngl, "local_bytes": split.local_bytes, "local_free": room_here,
-            "devices": [{"name": d.name, "free": d.free, "layers": d.layers, "bytes": d.bytes, "fits": d.fits} for d in split.devices],
+            "devices": [{"name": d.name, "free": d.free, "layers": d.layers, "output": d.output, "bytes": d.bytes, "fits": d.fits} for d in split.devices],
             "suggested_tensor_split": list(split.suggested) if split.suggested is not None else None, "suggestion": command,
         }  # fmt: skip
         print(json.dumps(out))
     else:
         print(f"target: {est.target.label}, {ngl} of {est.target.n_layer} layers offloaded over {len(devices)} device(s):")
         for d in split.devices:
-            print(f"  {d.name}: {d.layers} layers, {fit.gb(d.bytes)} of {fit.gb(d.free)} free{'' if d.fits else '  DOES NOT FIT'}")
+            print(f"  {d.name}: {d.layers} layers{' and the output layer' if d.output else ''}, {fit.gb(d.bytes)} of {fit.gb(d.free)} free{'' if d.fits else '  DOES NOT FIT'}")
         print(f"  this machine (other layers, draft, logits, overhead): {fit.gb(split.local_bytes)} of {fit.gb(room_here)} free"
               + ("" if split.local_bytes <= room_here else "  DOES NOT FIT"))  # fmt: skip
         print(("fits" if ok else "does not fit") + (f"; a split that fits: {command}" if command and not split.fits else ""))

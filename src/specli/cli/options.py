@@ -100,8 +100,8 @@ class Memory:
     n_ctx: Annotated[int, typer.Option("-c", "--ctx", min=MIN_CTX, max=MAX_CTX, help="Context size in tokens (prompt + output).")] = _CHOICE.n_ctx
     ngl: Annotated[int, typer.Option("-ngl", "--ngl", "--n-gpu-layers", help="Target layers to offload to the GPU (-1 = all).")] = _CHOICE.ngl
     draft_ngl: Annotated[int, typer.Option("-ngld", "--draft-ngl", "--n-gpu-layers-draft", help="Draft model layers to offload to the GPU (-1 = all).")] = _CHOICE.draft_ngl
-    rpc: Annotated[Optional[str], typer.Option("--rpc", metavar="HOST:PORT,...", help="Split the target's offloaded layers (-ngl) over these llama.cpp rpc-server machines too (after the local GPUs). Unauthenticated: trusted networks only.")] = None
-    tensor_split: Annotated[Optional[str], typer.Option("-ts", "--tensor-split", metavar="N,N,...", help="With --rpc: each device's share of the offloaded layers (local GPUs first, then the servers in order), e.g. 3,1.")] = None
+    rpc: Annotated[Optional[str], typer.Option("--rpc", metavar="HOST:PORT,...", help="Split the target's offloaded layers (-ngl) over these llama.cpp rpc-server machines too (before the local GPUs, as llama.cpp orders them). Unauthenticated: trusted networks only.")] = None
+    tensor_split: Annotated[Optional[str], typer.Option("-ts", "--tensor-split", metavar="N,N,...", help="With --rpc: each device's share of the offloaded layers (the servers in order, then the local GPUs), e.g. 3,1.")] = None
     draft_rpc: Annotated[bool, typer.Option("--draft-rpc", help="With --rpc: put the draft model's offloaded layers on the same devices (default: it stays on this machine).")] = False
 
     def check(self) -> None:

@@ -270,6 +270,11 @@ def _min_p_first(row: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, n
                 total = float(np.exp(row - row.dtype.type(best)).sum(dtype=np.float64))
             if not head < params.top_p * total * (1 - _MIN_P_MARGIN_ROW):
                 return None
+    if k == n_vocab and params.top_p >= 1:
+        # The chain keeps these in id order (no stage sorted them): so here, so that the
+        # softmax sums in the same order and the probabilities are the same to the last bit.
+        order = np.argsort(ids, kind="stable")
+        ids, vals = ids[order], vals[order]
     return ids, vals
 
 

@@ -46,14 +46,14 @@ class RpcDevice:
 
 
 def parse_endpoints(text: str) -> tuple[str, ...]:
-    """`--rpc HOST:PORT[,HOST:PORT...]` as typed ([v6]:PORT for IPv6); UsageError otherwise."""
+    """`--rpc HOST:PORT[,HOST:PORT...]` as typed; UsageError otherwise. IPv4 addresses and host
+    names only: ggml's RPC client splits at the first ':' and connects over IPv4."""
     endpoints = []
     for part in text.split(","):
         part = part.strip()
-        host, sep, port = part.rpartition(":")
-        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise UsageError(f"--rpc takes HOST:PORT[,HOST:PORT...] (e.g. 192.168.1.7:50052), got '{part}'")
+        host, sep, port = part.partition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or host.startswith("["):
+            raise UsageError(f"--rpc takes HOST:PORT[,HOST:PORT...] with an IPv4 address or a host name (e.g. 192.168.1.7:50052), got '{part}'")
         endpoints.append(part)
     if len(set(endpoints)) != len(endpoints):
         raise UsageError("--rpc names the same server twice; give each HOST:PORT once")
@@ -72,8 +72,7 @@ def check_supported() -> None:
 def check_reachable(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
     """UsageError unless something accepts a connection at `endpoint` within `timeout`
     (llama.cpp itself would abort the process on a refused connection)."""
-    host, _, port = endpoint.rpartition(":")
-    host = host.strip("[]")
+    host, _, port = endpoint.partition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
             pass
@@ -131,27 +130,30 @@ def add_servers(endpoints: tuple[str, ...]) -> list[RpcDevice]:
                 raise SpecliError(f"llama.cpp could not add the RPC server at {endpoint}")
             lib.ggml_backend_register(server_reg)
             _added[endpoint] = [lib.ggml_backend_reg_dev_get(server_reg, i) for i in range(lib.ggml_backend_reg_dev_count(server_reg))]
-    out = []
-    for endpoint in endpoints:
-        for handle in _added[endpoint]:
-            free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-            lib.ggml_backend_dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
-            name = (lib.ggml_backend_dev_name(handle) or b"").decode("utf-8", "replace")
-            out.append(RpcDevice(endpoint, handle, name, int(free.value), int(total.value)))
-    return out
+    return [RpcDevice(endpoint, handle, *device_memory(handle)) for endpoint in endpoints for handle in _added[endpoint]]
 
 
 def local_accelerators() -> list[int]:
-    """The local GPU-like devices (not the CPU, not an RPC server's), in llama.cpp's order:
-    with --rpc, a model is given these plus the servers' (without --rpc llama.cpp picks them)."""
+    """The local devices llama.cpp's default choice would offload to, in its order: the GPUs,
+    else the integrated GPUs (not the CPU, not an RPC server's). For a draft model kept off the
+    servers. (llama.cpp also drops a GPU seen twice, by two backends: not done here.)"""
     lib = _ggml()
     remote = {h for handles in _added.values() for h in handles}
-    out = []
+    gpus, igpus = [], []
     for i in range(lib.ggml_backend_dev_count()):
         handle = lib.ggml_backend_dev_get(i)
-        if handle not in remote and lib.ggml_backend_dev_type(handle) in (1, 2):  # GPU, IGPU
-            out.append(handle)
-    return out
+        if handle not in remote:
+            kind = lib.ggml_backend_dev_type(handle)
+            (gpus if kind == 1 else igpus if kind == 2 else []).append(handle)
+    return gpus or igpus
+
+
+def device_memory(handle: int) -> tuple[str, int, int]:
+    """(name, free, total) of a device (an RPC server's asks the server)."""
+    lib = _ggml()
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    lib.ggml_backend_dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
+    return (lib.ggml_backend_dev_name(handle) or b"").decode("utf-8", "replace"), int(free.value), int(total.value)
 
 
 # --- a lost server --------------------------------------------------------------------------------
@@ -176,6 +178,8 @@ def install_abort_handler() -> None:
     if _abort_handler is None:
         _abort_handler = _ABORT(_on_abort)
         base = ggml_library("libggml-base")
+        if base is None:  # (nothing to hook: llama.cpp's own abort message then)
+            return
         base.ggml_set_abort_callback.restype = ctypes.c_void_p
         base.ggml_set_abort_callback.argtypes = [_ABORT]
         base.ggml_set_abort_callback(_abort_handler)

@@ -579,6 +579,7 @@ class SplitDevice:
     free: int
     layers: int = 0  # of the target's, in this split
     bytes: int = 0  # their weights and KV cache
+    output: bool = False  # it holds the output layer (the last device, when every layer is offloaded)
 
     @property
     def fits(self) -> bool:
@@ -613,27 +614,43 @@ def layers_by_share(n_layers: int, shares: tuple[float, ...]) -> list[int]:
 
 
 def rpc_split(est: Estimate, devices: list[tuple[str, int]], ngl: int, shares: tuple[float, ...] | None = None) -> RpcSplit:
-    """The target's offloaded layers (-ngl) over `devices` ((name, free bytes): local GPUs, then
-    the RPC servers'), by `shares` (--tensor-split; None: by free memory, as llama.cpp does).
-    Each device holds its layers' weights and KV cache (compute buffers not counted: leave some
-    room); the rest of the estimate stays local. `suggested`: layers per device that fit, as
-    many as -ngl asks, filled in proportion to free memory and capped by each device's room."""
+    """The target's offloaded layers (-ngl) over `devices` ((name, free bytes), in llama.cpp's
+    order: the RPC servers', then local GPUs), by `shares` (--tensor-split; None: by free
+    memory, as llama.cpp does). As llama.cpp, -ngl -1 (or more than the layers) offloads the
+    output layer too, dealt last. Weights are charged evenly per layer, the output layer as one
+    more (the header gives no finer split); the KV cache to the blocks. Compute buffers are not
+    counted (leave some room); the rest of the estimate stays local. `suggested`: layers per
+    device that fit, in proportion to free memory and capped by each device's room."""
     n_layer = est.target.n_layer
-    offloaded = n_layer if ngl < 0 or ngl > n_layer else ngl
-    per_layer = (est.weights_target + est.kv_target) / max(1, n_layer)
+    with_output = ngl < 0 or ngl > n_layer
+    slots = n_layer + 1 if with_output else ngl  # llama.cpp's act_gpu_layers
+    per_weights = est.weights_target / (n_layer + 1)
+    per_block = per_weights + est.kv_target / max(1, n_layer)
     frees = [free for _, free in devices]
-    counts = layers_by_share(offloaded, shares if shares is not None else tuple(max(f, 1) for f in frees))
-    split = tuple(SplitDevice(name, free, n, round(n * per_layer)) for (name, free), n in zip(devices, counts))
-    local = est.total - round(offloaded * per_layer)
-    rooms = [int(f // per_layer) if per_layer else offloaded for f in frees]
+
+    def charge(counts: list[int]) -> list[int]:
+        out = [round(n * per_block) for n in counts]
+        if with_output and counts:  # the last slot dealt is the output layer: no KV, weights only
+            last = max(d for d, n in enumerate(counts) if n) if any(counts) else len(counts) - 1
+            out[last] -= round(per_block - per_weights)
+        return out
+
+    counts = layers_by_share(slots, shares if shares is not None else tuple(max(f, 1) for f in frees))
+    owner = max((d for d, n in enumerate(counts) if n), default=-1) if with_output else -1
+    split = tuple(
+        SplitDevice(name, free, n - (d == owner), b, d == owner)
+        for d, ((name, free), n, b) in enumerate(zip(devices, counts, charge(counts)))
+    )  # fmt: skip
+    local = est.total - sum(d.bytes for d in split)
+    rooms = [int(f // per_block) if per_block else slots for f in frees]
     suggested = None
-    if sum(rooms) >= offloaded:
-        want = layers_by_share(offloaded, tuple(max(f, 1) for f in frees))
+    if sum(rooms) >= slots:
+        want = layers_by_share(slots, tuple(max(f, 1) for f in frees))
         take = [min(w, r) for w, r in zip(want, rooms)]
-        short = offloaded - sum(take)
+        short = slots - sum(take)
         for d in sorted(range(len(take)), key=lambda d: rooms[d] - take[d], reverse=True):  # the rest where room is left
             extra = min(short, rooms[d] - take[d])
             take[d] += extra
             short -= extra
         suggested = tuple(take)
-    return RpcSplit(split, offloaded, local, suggested)
+    return RpcSplit(split, min(slots, n_layer), local, suggested)

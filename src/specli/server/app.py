@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import socket
 import sys
 import time
@@ -62,6 +63,8 @@ class Service:
     async def health(self, http: HttpRequest) -> Response:
         if self.stopping:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if self.scheduler.broken:
+            return JSONResponse({"status": "error", "error": self.scheduler.broken}, status_code=503)
         return JSONResponse({"status": "ok", **self.scheduler.health()})
 
     async def models(self, http: HttpRequest) -> Response:
@@ -137,9 +140,12 @@ class Service:
                         yield _sse(protocol.chunk(kind, rid, model, created, text=event.tail))
                     finish = protocol.FINISH_REASONS.get(event.generation.stop_reason, "stop")
                     extra = self._extra(event)
-                    yield _sse(protocol.chunk(kind, rid, model, created, finish_reason=finish, extra=extra))
-                    if req.include_usage:
+                    if req.include_usage:  # usage once, in its own last chunk (as OpenAI sends it)
+                        finish_extra = {k: v for k, v in extra.items() if k != "usage"}
+                        yield _sse(protocol.chunk(kind, rid, model, created, finish_reason=finish, extra=finish_extra))
                         yield _sse(protocol.chunk(kind, rid, model, created, no_choices=True, extra=extra))
+                    else:
+                        yield _sse(protocol.chunk(kind, rid, model, created, finish_reason=finish, extra=extra))
                     self._log(http, kind, event, t0)
                     break
             yield "data: [DONE]\n\n"
@@ -332,7 +338,10 @@ def serve(service: Service, sock: socket.socket, *, on_ready: Callable[[], None]
     finally:
         service.stopping = True
         service.scheduler.stop()
-        service.scheduler.join(timeout=60)
+        if not service.scheduler.join(timeout=60):
+            # Still inside a decode (a long prompt): freeing the models under it would crash.
+            stderr_line("specli serve: stopped (a decode was still running; exiting without waiting for it)")
+            os._exit(0)
         sock.close()
     if not server.started:
         raise SpecliError("the HTTP server did not start (--verbose shows uvicorn's log)")

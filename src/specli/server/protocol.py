@@ -170,6 +170,10 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> Request:
             break
     fields = {name: _number(body, name, kind_) for name, kind_ in SAMPLING_FIELDS.items() if body.get(name) is not None}
     seed = _number(body, "seed", int) if body.get("seed") is not None else defaults.seed
+    if seed is not None and seed < 0:
+        if seed != -1:
+            raise ApiError(400, f"'seed' must be a non-negative integer (or -1 for a fresh one), got {seed}", param="seed")
+        seed = None  # llama-server's -1: a fresh seed
     try:
         sampling = dataclasses.replace(defaults, **fields, seed=None).validate()
     except SettingError as err:

@@ -144,6 +144,7 @@ class Scheduler:
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         self._uses = 0
+        self.broken: Optional[str] = None  # why the loop died (then every request gets 503)
         # For /health: counts since start.
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "passes": 0, "most_sequences_in_a_pass": 0, "tokens": 0}
 
@@ -155,9 +156,10 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue a job; QueueFull beyond the bound, ShuttingDown once stop() was called."""
         with self._cond:
-            if self._stopping:
+            if self._stopping or self.broken:
                 raise ShuttingDown()
-            if len(self._pending) >= self.queue_limit:
+            free = sum(slot.job is None for slot in self.slots)  # (pending jobs take these first)
+            if len(self._pending) >= self.queue_limit + free:
                 raise QueueFull()
             self._pending.append(job)
             self._cond.notify()
@@ -181,9 +183,12 @@ class Scheduler:
             self._stopping = True
             self._cond.notify()
 
-    def join(self, timeout: Optional[float] = None) -> None:
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the loop to end; False if it is still running (inside a long decode)."""
         if self._thread is not None:
             self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
 
     def close(self) -> None:
         if self.runner is not None:
@@ -196,6 +201,19 @@ class Scheduler:
 
     # --- the loop (its own thread) ----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # a bug: answer everyone rather than leave them waiting
+            self.broken = f"internal error: {type(err).__name__}: {err} (a bug in specli; please report it)"
+            with self._cond:
+                jobs, self._pending = list(self._pending), collections.deque()
+            jobs += [slot.job for slot in self.slots if slot.job is not None]
+            for slot in self.slots:
+                slot.job, slot.seq = None, None
+            for job in jobs:
+                _emit(job, Failed(self.broken, 500))
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._stopping and not self._pending and not self._active():
@@ -230,6 +248,11 @@ class Scheduler:
     def _start(self, s: int) -> None:
         slot = self.slots[s]
         job = slot.job
+        if job.cancelled:  # it left while waiting: no prompt to evaluate for nobody
+            self._free(s)
+            with self._cond:
+                self.counts["cancelled"] += 1
+            return
         self._uses += 1
         slot.last_used = self._uses
         try:
@@ -251,7 +274,8 @@ class Scheduler:
         for s, slot in enumerate(self.slots):
             if slot.job is not None and slot.job.cancelled:
                 self._free(s)  # (its cache stays: a resent conversation reuses it)
-                self.counts["cancelled"] += 1
+                with self._cond:
+                    self.counts["cancelled"] += 1
 
     def _free(self, s: int) -> None:
         with self._cond:

@@ -212,22 +212,23 @@ def check_headers(p: Plan, n_ctx: int) -> list[str]:
 
 
 def rpc_devices(choice: ModelChoice) -> tuple[list[int] | None, list[int] | None]:
-    """The devices for the target and the draft model: (None, None) without --rpc (llama.cpp's
-    choice: every local GPU); with it, the local GPUs and then the RPC servers' devices for the
-    target, and the local GPUs alone for the draft unless --draft-rpc."""
+    """The devices for the target and the draft model (None: llama.cpp's own choice). With
+    --rpc the servers are registered first, and llama.cpp's choice for the target is then the
+    servers' devices, then the local GPUs (servers first: the output layer, and so the logits,
+    stay on this machine when it has a GPU); the draft gets the local GPUs alone unless
+    --draft-rpc."""
     if not choice.rpc:
         return None, None
     from specli.llama import rpc
 
-    remote = [d.handle for d in rpc.add_servers(choice.rpc)]
+    remote = rpc.add_servers(choice.rpc)
     local = rpc.local_accelerators()
-    target = local + remote
-    if choice.tensor_split is not None and len(choice.tensor_split) != len(target):
+    if choice.tensor_split is not None and len(choice.tensor_split) != len(remote) + len(local):
         raise UsageError(
-            f"--tensor-split gives {len(choice.tensor_split)} shares but the target has {len(target)} devices to split over "
-            f"({len(local)} local GPU(s), then {len(remote)} from --rpc); give one share each, in that order"
+            f"--tensor-split gives {len(choice.tensor_split)} shares but the target has {len(remote) + len(local)} devices to split over "
+            f"({len(remote)} from --rpc, then {len(local)} local GPU(s)); give one share each, in that order"
         )
-    return target, target if choice.draft_rpc else local
+    return None, None if choice.draft_rpc else local
 
 
 def load(p: Plan, choice: ModelChoice) -> Loaded:
