@@ -180,6 +180,22 @@ def chat(client: openai.OpenAI, model: str, content: str, n: int, **kw):
 
 
 # --- 1. chat and completions, streamed and not ------------------------------------------------------
+def test_a_resent_conversation_reuses_the_slots_cache(server, model_id):
+    """A chat client sends the whole conversation each turn: the second turn evaluates only what
+    is new (its slot still holds the first turn), and says so in prompt_reused."""
+    client = server.client()
+    first_messages = [{"role": "user", "content": "List three fruits."}]
+    first = client.chat.completions.create(model=model_id, messages=first_messages, max_tokens=16, temperature=0)
+    reply = first.choices[0].message.content
+    second = client.chat.completions.create(
+        model=model_id, temperature=0, max_tokens=8,
+        messages=[*first_messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "And three vegetables?"}],
+    )  # fmt: skip
+    spec = second.model_extra["speculative"]
+    assert spec["prompt_reused"] >= first.usage.prompt_tokens - 1, (spec, first.usage)
+    assert second.model_extra["timings"]["cache_n"] == spec["prompt_reused"]
+
+
 def test_completions_streamed_text_equals_the_plain_response(server, model_id):
     client = server.client()
     plain = complete(client, model_id, CODE, 24)
