@@ -292,3 +292,36 @@ def test_a_loop_that_dies_answers_every_waiting_request(model, monkeypatch):
     finally:
         scheduler.stop()
         scheduler.close()
+
+
+def test_slots_with_a_draft_model_draft_in_lockstep_and_give_one_generations_text(model, pair_perturbed):
+    """Each round of drafting evaluates every slot's next draft token in one pass of the draft
+    model's context (parallel.py's plan_all); the texts stay a single generation's."""
+    draft = load(pair_perturbed[1], n_ctx=256)
+    try:
+        def sequential_draft(prompt, n):
+            decoder = SpeculativeDecoder(model, make_drafter("draft-model", draft), 4, GREEDY)
+            return decoder.generate(model.tokenize(prompt, add_bos=model.vocab_info().add_bos), max_tokens=n).run().text
+
+        expected = [sequential_draft(p, 10 + 6 * i) for i, p in enumerate(PROMPTS)]
+        decoder = SpeculativeDecoder(model, make_drafter("draft-model", draft), 4, GREEDY)
+        loaded = Loaded(Plan(model.path, draft.path, "draft-model", 4, GREEDY), model, draft, decoder)
+        scheduler = Scheduler(loaded, n_seq=3, queue_limit=16, n_threads=1, kv_type="f32", flash_attn="off")
+        calls = []
+        original = scheduler.runner.draft_seqs.eval
+        scheduler.runner.draft_seqs.eval = lambda requests, **kw: calls.append(len(requests)) or original(requests, **kw)
+        scheduler.start()
+        try:
+            collectors = [Collector() for _ in PROMPTS]
+            for i, (p, c) in enumerate(zip(PROMPTS, collectors)):
+                scheduler.submit(job_for(model, p, 10 + 6 * i, c))
+            results = [c.result() for c in collectors]
+            assert [text for text, _ in results] == expected
+            assert sum(done.generation.stats.drafted for _, done in results) > 0
+            assert max(calls) >= 2  # some draft passes served several slots at once
+        finally:
+            scheduler.stop()
+            scheduler.join(30)
+            scheduler.close()
+    finally:
+        draft.close()

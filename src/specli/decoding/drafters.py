@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Generator, Protocol, Sequence
 
 import numpy as np
 
@@ -44,6 +44,17 @@ class Proposal:
     # Seconds until the first draft token was chosen (the judge's limit and the draft model's
     # pass over the target's newest token), when that was no catch-up: a step's start-up cost.
     first_s: float | None = None
+
+
+def run_steps(steps: Generator[int, np.ndarray, Proposal], model) -> Proposal:
+    """Drive a propose_steps() generator on its own: each token it yields is evaluated on
+    `model` (the drafter's cache) and its logits sent back; returns the Proposal."""
+    try:
+        token = next(steps)
+        while True:
+            token = steps.send(model.eval([token], logits="last"))
+    except StopIteration as done:
+        return done.value
 
 
 def _empty(source: str | None = None) -> Proposal:
@@ -128,6 +139,13 @@ class DraftModelDrafter:
         return self._batch_s is not None and behind * self._batch_s <= self.CATCH_UP_SHARE * elapsed
 
     def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
+        return run_steps(self.propose_steps(context, n_max, judge), self.model_dft)
+
+    def propose_steps(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Generator[int, np.ndarray, Proposal]:
+        """propose() as a generator: it yields each draft token the draft model must evaluate
+        next and is sent that token's logits (one row, as eval(logits="last") gives them), so
+        that a caller can evaluate several sequences' tokens in one pass (parallel.py); it
+        returns the Proposal. The catch-up of the cache (sync) runs here, on its own."""
         t_start = time.perf_counter()
         n_max = judge.limit(self.name, n_max, len(context)) if n_max > 0 else 0
         if n_max <= 0:
@@ -165,7 +183,7 @@ class DraftModelDrafter:
             # The last draft token is not evaluated: only the target's verdict says if it stays.
             if len(tokens) == n_max or self.model_dft.is_eog(token) or (confidences is not None and judge.last()):
                 break
-            logits = self.model_dft.eval([token], logits="last")
+            logits = yield token
             now = time.perf_counter()
             one_token_s.append(now - t_round)
             t_round = now
@@ -366,9 +384,13 @@ class HybridDrafter:
         self.draft.begin(prompt, sampling, rng)
 
     def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
+        return run_steps(self.propose_steps(context, n_max, judge), self.draft.model_dft)
+
+    def propose_steps(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Generator[int, np.ndarray, Proposal]:
+        """propose() as a generator (DraftModelDrafter.propose_steps)."""
         proposal = self.lookup.propose(context, n_max, judge)
         if not proposal.tokens:
-            proposal = self.draft.propose(context, n_max, judge)
+            proposal = yield from self.draft.propose_steps(context, n_max, judge)
         self._last_source = proposal.source
         return proposal
 

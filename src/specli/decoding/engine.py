@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -388,16 +388,36 @@ class SequenceStep:
     def plan(self) -> list[int]:
         """Draft for this step (the drafter asks the decoder's judge); the tokens the target's
         pass must evaluate for this sequence: [last, *draft]."""
-        decoder = self.decoder
+        k, t_draft = self._plan_start()
+        drafter = self.decoder.drafter
+        proposal = drafter.propose(self.context, k, self.decoder.judge) if (drafter is not None and k > 0) else Proposal([])
+        return self._plan_end(proposal, k, t_draft)
+
+    def plan_steps(self) -> Generator[int, np.ndarray, list[int]]:
+        """plan() as a generator, for a loop that evaluates several sequences' draft tokens in
+        one pass: with a draft model it yields each token the draft model must evaluate and is
+        sent its logits (drafters.DraftModelDrafter.propose_steps); returns plan()'s tokens."""
+        k, t_draft = self._plan_start()
+        drafter = self.decoder.drafter
+        if drafter is None or k <= 0:
+            proposal = Proposal([])
+        elif hasattr(drafter, "propose_steps"):
+            proposal = yield from drafter.propose_steps(self.context, k, self.decoder.judge)
+        else:
+            proposal = drafter.propose(self.context, k, self.decoder.judge)
+        return self._plan_end(proposal, k, t_draft)
+
+    def _plan_start(self) -> tuple[int, float]:
         remaining = self.max_tokens - len(self.gen.token_ids)
         room = self.cache.n_ctx - len(self.context)  # positions left after the context
         # A pass emits up to k+1 tokens; keep them within the budget and the context, and the
         # pass [last, d1..dk] within max_pass (one llama.cpp batch: a small -c makes it small).
-        k = min(decoder.n_draft, remaining - 1, room - 1, self.max_pass - 1)
+        k = min(self.decoder.n_draft, remaining - 1, room - 1, self.max_pass - 1)
         t_draft = time.perf_counter()
         self._gap_s = None if self._t_previous is None else t_draft - self._t_previous
-        drafter = decoder.drafter
-        proposal = drafter.propose(self.context, k, decoder.judge) if (drafter is not None and k > 0) else Proposal([])
+        return k, t_draft
+
+    def _plan_end(self, proposal: Proposal, k: int, t_draft: float) -> list[int]:
         self._draft_s = time.perf_counter() - t_draft
         assert len(proposal.tokens) <= k
         assert len(self.cache.cached) == len(self.context) - 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Callable, Generator, Iterable, Iterator, Protocol, Sequence
 
 from specli.decoding.drafters import WITH_DRAFT_MODEL, Drafter, make_drafter
 from specli.decoding.engine import AUTO, AUTO_MAX_DRAFT, Generation, SequenceStep, SpeculativeDecoder, Step
@@ -192,6 +192,41 @@ class ParallelRunner:
                     yield ItemDone(slots[s].item, slots[s].seq.gen)
                     slots[s] = None
 
+    def plan_all(self, seqs: dict[int, SequenceStep]) -> tuple[dict[int, list[int]], dict[int, Exception]]:
+        """Every sequence's plan (its draft, and the tokens of its part of the target's pass),
+        with a draft model drafting in lockstep: each round evaluates the next draft token of
+        every sequence still drafting in one pass of the draft model's context, rather than one
+        pass per sequence. Returns (tokens by sequence, errors by sequence)."""
+        requests: dict[int, list[int]] = {}
+        failed: dict[int, Exception] = {}
+        steps: dict[int, Generator] = {}
+        pending: dict[int, int] = {}  # sequence -> the draft token its draft model must evaluate
+        for s, seq in seqs.items():
+            steps[s] = seq.plan_steps()
+            try:
+                pending[s] = next(steps[s])
+            except StopIteration as done:
+                requests[s] = done.value
+            except Exception as err:
+                failed[s] = err
+        while pending:
+            try:
+                rows = self.draft_seqs.eval({s: [token] for s, token in pending.items()}, logits="all")
+            except Exception as err:
+                for s in pending:
+                    failed[s] = err
+                break
+            following = {}
+            for s in pending:
+                try:
+                    following[s] = steps[s].send(rows[s])
+                except StopIteration as done:
+                    requests[s] = done.value
+                except Exception as err:
+                    failed[s] = err
+            pending = following
+        return requests, failed
+
     def _start(self, s: int, item: Item, prompt_ids: list[int]) -> _Slot:
         """Put the prompt (all but `last`) into sequence s and set up its generation."""
         seq = self.pools[s].get(item).sequence(
@@ -222,13 +257,10 @@ class ParallelRunner:
         """Draft for every active sequence, verify them all in one target pass, emit. A sequence
         whose drafting or verification fails ends its item with an error (ItemDone, its slot
         freed); a failed shared pass ends every item in it so."""
-        requests = {}
-        for s in list(active):
-            try:
-                requests[s] = slots[s].seq.plan()
-            except Exception as err:
-                active.remove(s)
-                yield self._fail(slots, s, err)
+        requests, failed = self.plan_all({s: slots[s].seq for s in active})
+        for s, err in failed.items():
+            active.remove(s)
+            yield self._fail(slots, s, err)
         if not requests:
             return
         t_pass = time.perf_counter()

@@ -310,16 +310,26 @@ class Scheduler:
 
     def _pass(self, active: list[int]) -> None:
         """One step of every active slot around one target pass (parallel.py's _pass)."""
-        requests = {}
+        planning = {}
         for s in active:
-            slot = self.slots[s]
             try:
-                if slot.seq.ended():
+                if self.slots[s].seq.ended():
                     self._finish(s)
-                    continue
-                requests[s] = slot.seq.plan()
+                else:
+                    planning[s] = self.slots[s].seq
             except Exception as err:
                 self._fail(s, err)
+        if self.runner is not None:  # drafts of every slot in lockstep (parallel.py)
+            requests, failed = self.runner.plan_all(planning)
+        else:
+            requests, failed = {}, {}
+            for s, seq in planning.items():
+                try:
+                    requests[s] = seq.plan()
+                except Exception as err:
+                    failed[s] = err
+        for s, err in failed.items():
+            self._fail(s, err)
         if not requests:
             return
         t_pass, cpu_pass = time.perf_counter(), time.process_time()
