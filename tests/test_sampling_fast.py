@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from specli.decoding import sampling
@@ -72,6 +72,9 @@ params_st = st.builds(
 
 @settings(max_examples=600, deadline=None)
 @given(rows(), params_st, st.lists(st.integers(-2, 320), max_size=12))
+# Found in CI: logits apart by less than the softmax can tell tie in probability, not in order
+# (top-p ordered them by probability, then by id; llama.cpp and the reference by logit).
+@example(np.array([0.0, 9.0522945e-32], dtype=np.float32), SamplingParams(temperature=0.2, top_k=0, top_p=0.25, min_p=0.0, repeat_last_n=0), [])
 def test_chain_matches_the_reference(logits, params, history):
     got = probabilities(logits, params, history)
     want, near = reference(logits, params, history)

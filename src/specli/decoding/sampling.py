@@ -348,13 +348,15 @@ def _top_p(ids: np.ndarray, vals: np.ndarray, top_p: float, is_sorted: bool) -> 
         # try 16 times as many (llama.cpp sorts everything then), up to a full sort
         m = _TOP_P_FIRST_TRY
         while m < n:
-            few = np.sort(_largest(probs, m))  # ids is arange(V) here: ascending, for ties
-            few = few[_descending(probs[few])]
+            few = np.sort(_largest(vals, m))  # ids is arange(V) here: ascending, for ties
+            few = few[_descending(vals[few])]
             cut = _mass_cut(probs[few], top_p)
             if cut is not None:
                 return ids[few[:cut]], vals[few[:cut]]
             m *= 16
-    order = np.arange(n) if is_sorted else _descending(probs)
+    # Ordered by logit, as llama.cpp sorts them: two logits apart by less than float64's
+    # softmax can tell (e.g. 0 and 1e-31) tie in probability but not in order.
+    order = np.arange(n) if is_sorted else _descending(vals)
     cut = _mass_cut(probs[order], top_p)
     keep = order if cut is None else order[:cut]
     return ids[keep], vals[keep]
