@@ -21,12 +21,12 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import llama_cpp
 
 from specli.errors import SpecliError, UsageError
+from specli.llama.devices import device_memory, ggml
 from specli.llama.native import ensure_backend, ggml_library
 
 REINSTALL = (
@@ -81,28 +81,10 @@ def check_reachable(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
         raise UsageError(f"cannot reach the RPC server at {endpoint} ({reason}); start rpc-server there (rpc-server -H HOST -p PORT) or fix --rpc") from None
 
 
-@lru_cache(maxsize=None)
 def _ggml() -> ctypes.CDLL:
-    """libggml (the backend registry), beside libllama in llama_cpp/lib."""
-    ensure_backend()  # (libllama and its ggml are loaded)
-    lib = ggml_library("libggml")
+    lib = ggml()
     if lib is None:
         raise SpecliError(f"cannot find libggml beside {Path(llama_cpp.__file__).parent / 'lib'} (a broken llama-cpp-python install?)")
-    p = ctypes.c_void_p
-    for name, restype, argtypes in (
-        ("ggml_backend_reg_by_name", p, [ctypes.c_char_p]),
-        ("ggml_backend_reg_get_proc_address", p, [p, ctypes.c_char_p]),
-        ("ggml_backend_register", None, [p]),
-        ("ggml_backend_reg_dev_count", ctypes.c_size_t, [p]),
-        ("ggml_backend_reg_dev_get", p, [p, ctypes.c_size_t]),
-        ("ggml_backend_dev_count", ctypes.c_size_t, []),
-        ("ggml_backend_dev_get", p, [ctypes.c_size_t]),
-        ("ggml_backend_dev_type", ctypes.c_int, [p]),
-        ("ggml_backend_dev_name", ctypes.c_char_p, [p]),
-        ("ggml_backend_dev_memory", None, [p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]),
-    ):  # fmt: skip
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 
@@ -146,14 +128,6 @@ def local_accelerators() -> list[int]:
             kind = lib.ggml_backend_dev_type(handle)
             (gpus if kind == 1 else igpus if kind == 2 else []).append(handle)
     return gpus or igpus
-
-
-def device_memory(handle: int) -> tuple[str, int, int]:
-    """(name, free, total) of a device (an RPC server's asks the server)."""
-    lib = _ggml()
-    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-    lib.ggml_backend_dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
-    return (lib.ggml_backend_dev_name(handle) or b"").decode("utf-8", "replace"), int(free.value), int(total.value)
 
 
 # --- a lost server --------------------------------------------------------------------------------
