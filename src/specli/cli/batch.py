@@ -20,7 +20,7 @@ import typer
 from specli.errors import EXIT_INTERRUPTED
 from specli.cli.options import (
     Drafting, Memory, Models, Quiet, Sampling, Stop, Threads, Verbose, error_message, flatten, load_models, max_tokens_option,
-    model_choice, stop_strings,
+    check_parallel, model_choice, stop_strings,
 )  # fmt: skip
 from specli.cli.run import ChatFlag, System, Template, result_json
 from specli.decoding.sampling import sampling_json
@@ -29,10 +29,6 @@ from specli.files import ExclusiveLock, LockBusy, check_writable, replace_text, 
 from specli.session import batch
 
 EXIT_SOME_FAILED = EXIT_RUNTIME
-# --parallel at most: llama.cpp's LLAMA_MAX_SEQ (sequence ids 0..255; it keeps the count in 32
-# bits, so a larger number would wrap around silently).
-MAX_PARALLEL = 256
-
 commands = typer.Typer()
 
 
@@ -66,7 +62,7 @@ def batch_command(
     (in input order), a summary on stderr. Re-running with the same output resumes."""
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
     stops = stop_strings(stop)
-    _check_parallel(parallel, memory.n_ctx)
+    check_parallel(parallel, memory.n_ctx)
     out_path = _check_output(output, input_path, resume=resume, overwrite=overwrite)
     if summary_path is not None:
         check_writable(summary_path, "the --summary file")
@@ -120,20 +116,6 @@ def _batch(input_path, output, out_path, overwrite, summary_path, parallel, inpu
     if summary.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_SOME_FAILED if summary.failed else 0
-
-
-def _check_parallel(parallel: int, ctx: int) -> None:
-    """UsageError unless 1 <= --parallel <= MAX_PARALLEL and the P contexts of -c tokens fit in
-    one llama.cpp context (at most MAX_CTX tokens: the P sequences share one KV cache)."""
-    from specli.llama.context import MAX_CTX
-
-    if not 1 <= parallel <= MAX_PARALLEL:
-        raise UsageError(f"--parallel must be from 1 to {MAX_PARALLEL} (llama.cpp's most sequences in one context), got {parallel}")
-    if parallel > 1 and parallel * ctx > MAX_CTX:
-        raise UsageError(
-            f"--parallel {parallel} with -c {ctx} needs a KV cache of {parallel * ctx:,} tokens, over the maximum of "
-            f"{MAX_CTX:,}; use a smaller -c or --parallel"
-        )
 
 
 def _json(obj) -> str:

@@ -44,6 +44,9 @@ MAX_THREADS_PER_CPU = 4
 MAX_NGL = 10_000
 # --tensor-split: llama.cpp's LLAMA_MAX_DEVICES (its tensor_split array has this many entries).
 MAX_DEVICES = 16
+# --parallel at most: llama.cpp's LLAMA_MAX_SEQ (sequence ids 0..255; it keeps the count in 32
+# bits, so a larger number would wrap around silently).
+MAX_PARALLEL = 256
 
 # The core names a setting it refuses by its field (SettingError); the CLI says its option.
 OPTION_NAMES = {
@@ -199,6 +202,19 @@ def flatten(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # --- what the options become ---------------------------------------------------------------------
+def check_parallel(parallel: int, ctx: int) -> None:
+    """UsageError unless 1 <= --parallel <= MAX_PARALLEL and the P contexts of -c tokens fit in
+    one llama.cpp context (at most MAX_CTX tokens: the P sequences share one KV cache): batch's
+and serve's --parallel."""
+    if not 1 <= parallel <= MAX_PARALLEL:
+        raise UsageError(f"--parallel must be from 1 to {MAX_PARALLEL} (llama.cpp's most sequences in one context), got {parallel}")
+    if parallel > 1 and parallel * ctx > MAX_CTX:
+        raise UsageError(
+            f"--parallel {parallel} with -c {ctx} needs a KV cache of {parallel * ctx:,} tokens, over the maximum of "
+            f"{MAX_CTX:,}; use a smaller -c or --parallel"
+        )
+
+
 def check_threads(threads: int | None) -> None:
     """UsageError when --threads is more than MAX_THREADS_PER_CPU per CPU (Typer refuses < 1)."""
     cpus = os.cpu_count()

@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from specli.cli.options import (
-    Drafting, Memory, Models, Quiet, Sampling, Threads, Verbose, error_message, flatten, load_models, model_choice,
+    Drafting, Memory, Models, Quiet, Sampling, Threads, Verbose, check_parallel, error_message, flatten, load_models, model_choice,
 )  # fmt: skip
 from specli.errors import UsageError
 
@@ -45,10 +45,8 @@ def serve_command(
 ) -> int:
     """Serve the models over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
     /v1/models, /health), drafting as `run` does. Ctrl-C or SIGTERM stops it cleanly."""
-    from specli.cli.batch import _check_parallel
-
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
-    _check_parallel(parallel, memory.n_ctx)
+    check_parallel(parallel, memory.n_ctx)
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty; give a key, or leave the option out")
     try:
