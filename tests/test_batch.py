@@ -411,3 +411,22 @@ def test_both_loops_tell_the_policy_the_same_facts(pair_perturbed, monkeypatch, 
     assert calls and all(call.cpu_s is not None for call in calls)
     assert any(call.gap_s is not None for call in calls)
     assert sum(call.gap_s is None for call in calls) <= 2 * len(items)  # each item's first two steps
+
+
+def test_items_with_their_own_seeds_share_one_decoder_and_keep_their_seeds(pair_perturbed):
+    """DecoderPool keys decoders by sampling setting without the seed (a batch of per-item
+    seeds used to make a decoder, and an -n auto policy, per item), bounded by LIMIT."""
+    model = load(pair_perturbed[0])
+    try:
+        sampling = [SamplingParams(temperature=0.9, seed=s) for s in (1, 2, 1)]
+        items = [batch.Item(i + 1, f"s{i}", PROMPTS[0], 12, sp) for i, sp in enumerate(sampling)]
+        pool = DecoderPool(model, make_drafter("lookup"), 3)
+        seeds = [e.generation.seed for e in run_sequential(pool, items) if isinstance(e, ItemDone)]
+        texts = [e.generation.text for e in run_sequential(pool, items) if isinstance(e, ItemDone)]
+        assert seeds == [1, 2, 1] and len(pool._decoders) == 1
+        assert texts[0] == texts[2]  # the same seed (and a fixed N) replays
+        for t in range(DecoderPool.LIMIT + 3):
+            pool.get(SamplingParams(temperature=0.5 + t / 100))
+        assert len(pool._decoders) == DecoderPool.LIMIT
+    finally:
+        model.close()

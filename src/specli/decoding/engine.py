@@ -265,10 +265,10 @@ class SpeculativeDecoder:
         """--draft-max as the user would write it: "auto" or the fixed length (0 without a drafter)."""
         return AUTO if self.adaptive else self.n_draft
 
-    def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, stop: Sequence[str] = ()) -> Generation:
+    def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, stop: Sequence[str] = (), seed: int | None = None) -> Generation:
         """Start generating after `prompt_ids` (which must include BOS if the model wants it);
-        it ends at the first of the `stop` strings (Generation.stop)."""
-        seq = self.sequence(prompt_ids, max_tokens=max_tokens, cache=self.model_tgt, max_pass=self.model_tgt.n_batch, stop=stop)
+        it ends at the first of the `stop` strings (Generation.stop). `seed`: as sequence()'s."""
+        seq = self.sequence(prompt_ids, max_tokens=max_tokens, cache=self.model_tgt, max_pass=self.model_tgt.n_batch, stop=stop, seed=seed)
         seq.gen._steps = self._steps(seq)
         return seq.gen
 
@@ -282,8 +282,8 @@ class SpeculativeDecoder:
         MultiSequenceContext (its SequenceView); `max_pass` the most tokens one pass may evaluate
         for it. Checks the prompt and draws the seed now; nothing is evaluated before begin().
         A max_tokens below 1 (the CLI and batch items refuse it) ends the generation with no tokens.
-        `seed`, when given, replaces the sampling's own (the server keeps one decoder per setting
-        and gives each request its seed).
+        `seed`, when given, replaces the sampling's own (parallel.py's DecoderPool keeps one
+        decoder per setting and gives each generation its seed).
         """
         prompt = list(prompt_ids)
         # Kept although `run`, `chat` and `batch` check their prompts: library callers (tests,

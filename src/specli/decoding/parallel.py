@@ -16,6 +16,8 @@ gets the tokens `run` would give it (up to batch numerics, see README).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterable, Iterator, Protocol, Sequence
@@ -49,16 +51,26 @@ class ItemDone:
 
 
 class DecoderPool:
-    """One SpeculativeDecoder per distinct sampling setting, all sharing the target and drafter."""
+    """One SpeculativeDecoder per sampling setting, all sharing the target and drafter. The
+    seed is no part of the setting: each generation brings its own (`seed_of`), so items or
+    requests with seeds of their own share a decoder and its -n auto policy; beyond LIMIT
+    settings the least recently used goes. `first`: a decoder to start with (the loaded one)."""
 
-    def __init__(self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int | str):
+    LIMIT = 8
+
+    def __init__(self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int | str, *, first: SpeculativeDecoder | None = None):
         self.model_tgt, self.drafter, self.n_draft = model_tgt, drafter, n_draft
-        self._decoders: dict = {}
+        self._decoders: collections.OrderedDict[SamplingParams, SpeculativeDecoder] = collections.OrderedDict()
+        if first is not None:
+            self._decoders[dataclasses.replace(first.sampling, seed=None)] = first
 
-    def get(self, item: Item) -> SpeculativeDecoder:
-        if item.sampling not in self._decoders:
-            self._decoders[item.sampling] = SpeculativeDecoder(self.model_tgt, self.drafter, self.n_draft, item.sampling)
-        return self._decoders[item.sampling]
+    def get(self, sampling: SamplingParams) -> SpeculativeDecoder:
+        key = dataclasses.replace(sampling, seed=None)
+        decoder = self._decoders.pop(key, None) or SpeculativeDecoder(self.model_tgt, self.drafter, self.n_draft, key)
+        self._decoders[key] = decoder
+        while len(self._decoders) > self.LIMIT:
+            self._decoders.popitem(last=False)
+        return decoder
 
 
 def tokenize_item(model_tgt: LlamaModel, item: Item) -> list[int]:
@@ -84,7 +96,7 @@ def run_sequential(pool: DecoderPool, items: Iterable[Item], describe: Describe 
     for item in items:
         try:
             prompt_ids = tokenize_item(model_tgt, item)
-            gen = pool.get(item).generate(prompt_ids, max_tokens=item.max_tokens, stop=item.stop)
+            gen = pool.get(item.sampling).generate(prompt_ids, max_tokens=item.max_tokens, stop=item.stop, seed=item.sampling.seed)
             for step in gen:
                 yield step
         except Exception as err:  # this item fails, the batch goes on
@@ -229,8 +241,8 @@ class ParallelRunner:
 
     def _start(self, s: int, item: Item, prompt_ids: list[int]) -> _Slot:
         """Put the prompt (all but `last`) into sequence s and set up its generation."""
-        seq = self.pools[s].get(item).sequence(
-            prompt_ids, max_tokens=item.max_tokens, cache=self.views[s], stop=item.stop,
+        seq = self.pools[s].get(item.sampling).sequence(
+            prompt_ids, max_tokens=item.max_tokens, cache=self.views[s], stop=item.stop, seed=item.sampling.seed,
             max_pass=self.seqs.n_batch // self.seqs.n_seq,  # (every sequence's part fits the shared batch)
         )  # fmt: skip
         self.seqs.clear(s)  # (each item starts from an empty cache)

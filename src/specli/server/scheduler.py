@@ -20,22 +20,17 @@ Done and Failed events.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from specli.decoding.drafters import Drafter
-from specli.decoding.engine import Generation, SequenceStep, SpeculativeDecoder
-from specli.decoding.parallel import ParallelRunner, item_error
+from specli.decoding.engine import Generation, SequenceStep
+from specli.decoding.parallel import DecoderPool, ParallelRunner, item_error
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SpecliError
 from specli.llama.model import LlamaModel, common_prefix_len
 from specli.session.loading import Loaded
-
-DECODERS_PER_SLOT = 8  # sampling settings kept per slot (each a decoder with its own -n auto policy)
-
 
 @dataclass
 class Delta:
@@ -94,23 +89,12 @@ class _OneSequence:
 
 
 class _Slot:
-    def __init__(self, drafter: Optional[Drafter], cache, n_draft: int | str):
-        self.drafter, self.cache, self.n_draft = drafter, cache, n_draft
-        self.decoders: collections.OrderedDict[SamplingParams, SpeculativeDecoder] = collections.OrderedDict()
+    def __init__(self, pool: DecoderPool, cache):
+        self.pool, self.cache = pool, cache  # its decoders (one per sampling setting), its target cache
         self.job: Optional[Job] = None
         self.seq: Optional[SequenceStep] = None
         self.sent = 0  # characters of the generation's text already emitted
         self.last_used = 0
-
-    def decoder(self, model_tgt: LlamaModel, sampling: SamplingParams) -> SpeculativeDecoder:
-        """This slot's decoder for `sampling` (seed-free: each job brings its seed); the least
-        recently used one goes beyond DECODERS_PER_SLOT."""
-        key = dataclasses.replace(sampling, seed=None)
-        decoder = self.decoders.pop(key, None) or SpeculativeDecoder(model_tgt, self.drafter, self.n_draft, key)
-        self.decoders[key] = decoder
-        while len(self.decoders) > DECODERS_PER_SLOT:
-            self.decoders.popitem(last=False)
-        return decoder
 
 
 class Scheduler:
@@ -126,18 +110,18 @@ class Scheduler:
         self.runner: Optional[ParallelRunner] = None
         if n_seq == 1:
             self.seqs = _OneSequence(self.model_tgt)
-            caches, drafters = [self.model_tgt], [loaded.decoder.drafter]
+            # the loaded decoder, with the saved -n auto measurements, serves its own setting
+            pools = [DecoderPool(self.model_tgt, loaded.decoder.drafter, self.n_draft, first=loaded.decoder)]
+            caches = [self.model_tgt]
             self.max_pass = self.model_tgt.n_batch
         else:
             self.runner = ParallelRunner(
                 self.model_tgt, self.mode, self.n_draft, n_seq, n_threads=n_threads, model_dft=loaded.model_dft, describe=describe,
                 kv_type=kv_type, flash_attn=flash_attn,
             )  # fmt: skip
-            self.seqs, caches, drafters = self.runner.seqs, self.runner.views, self.runner.drafters
+            self.seqs, caches, pools = self.runner.seqs, self.runner.views, self.runner.pools
             self.max_pass = self.seqs.n_batch // n_seq  # every sequence's part fits the shared batch
-        self.slots = [_Slot(d, c, self.n_draft) for d, c in zip(drafters, caches)]
-        if n_seq == 1:  # the loaded decoder, with the saved -n auto measurements, serves its own setting
-            self.slots[0].decoders[dataclasses.replace(loaded.decoder.sampling, seed=None)] = loaded.decoder
+        self.slots = [_Slot(pool, cache) for pool, cache in zip(pools, caches)]
         self.n_ctx = self.slots[0].cache.n_ctx
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
@@ -256,7 +240,7 @@ class Scheduler:
         self._uses += 1
         slot.last_used = self._uses
         try:
-            decoder = slot.decoder(self.model_tgt, job.sampling)
+            decoder = slot.pool.get(job.sampling)
             slot.seq = decoder.sequence(
                 job.prompt_ids, max_tokens=job.max_tokens, cache=slot.cache, max_pass=self.max_pass, stop=job.stop, seed=job.seed,
             )  # fmt: skip
