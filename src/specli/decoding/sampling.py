@@ -85,6 +85,14 @@ class SamplingParams:
 GREEDY = SamplingParams(temperature=0.0)
 
 
+# SamplingParams' fields as JSON gives them (batch items, server requests), with their types
+# (an int is taken where a float is).
+JSON_FIELDS = {
+    "temperature": float, "top_k": int, "top_p": float, "min_p": float,
+    "repeat_penalty": float, "repeat_last_n": int, "seed": int,
+}  # fmt: skip
+
+
 def sampling_json(sampling: SamplingParams) -> dict:
     """The sampling settings as run (greedy runs report temperature 0 and nothing random)."""
     fields = asdict(sampling)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from specli.decoding.engine import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_TOKENS, STOP_STRING
-from specli.decoding.sampling import SamplingParams
+from specli.decoding.sampling import JSON_FIELDS, SamplingParams
 from specli.decoding.stats import Stats
 from specli.errors import SettingError
 
@@ -25,12 +25,9 @@ TEXT = "text_completion"
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; llama-server any)
 
-# The sampling fields a request may set, with the JSON types they take (bool is refused where a
-# number is wanted: True is 1 in Python, never in intent).
-SAMPLING_FIELDS = {
-    "temperature": float, "top_p": float, "top_k": int, "min_p": float,
-    "repeat_penalty": float, "repeat_last_n": int,
-}  # fmt: skip
+# The sampling fields a request may set (bool is refused where a number is wanted: True is 1 in
+# Python, never in intent); the seed is read on its own (-1: a fresh one).
+SAMPLING_FIELDS = {name: kind for name, kind in JSON_FIELDS.items() if name != "seed"}
 # OpenAI fields specli does not implement, with the values that mean "not used".
 NEUTRAL = {
     "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),

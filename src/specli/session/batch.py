@@ -25,15 +25,12 @@ from typing import IO, Optional, Union
 from specli.errors import UsageError
 from specli.files import open_to_read, read_limited, strip_bom, write_atomically
 from specli.decoding.engine import check_stop
-from specli.decoding.sampling import SamplingParams
+from specli.decoding.sampling import JSON_FIELDS, SamplingParams
 from specli.errors import SettingError
 from specli.decoding.stats import Stats
 
 # Per-item fields that override the command line, with the JSON types they accept.
-SAMPLING_FIELDS = {
-    "temperature": float, "top_k": int, "top_p": float, "min_p": float,
-    "repeat_penalty": float, "repeat_last_n": int, "seed": int,
-}  # fmt: skip
+SAMPLING_FIELDS = JSON_FIELDS
 # `metadata` is carried to the output unchanged; any other field is an error (a typo such as
 # "temprature" would otherwise sample with the default without a word).
 ITEM_FIELDS = ("prompt", "id", "max_tokens", "stop", "metadata", *SAMPLING_FIELDS, "system", "messages")
