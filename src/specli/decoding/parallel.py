@@ -118,6 +118,27 @@ def _forget_untracked(model) -> None:
             pass
 
 
+def verify_all(seqs, plans: dict[int, SequenceStep], requests: dict[int, list[int]]) -> dict[int, Step | Exception]:
+    """One target pass over every sequence's planned tokens (`requests`, from plan()) on `seqs`
+    (a MultiSequenceContext, or anything with its eval), then each sequence's commit, charged
+    its share of the pass (its tokens / all of them). Per sequence: its Step, or the exception
+    that failed it (a failed pass fails every one)."""
+    t_pass, cpu_pass = time.perf_counter(), time.process_time()
+    try:
+        rows = seqs.eval(requests, logits="all")
+    except Exception as err:
+        return {s: err for s in requests}
+    cpu_s, pass_s = time.process_time() - cpu_pass, time.perf_counter() - t_pass
+    n_pass = sum(len(tokens) for tokens in requests.values())
+    results: dict[int, Step | Exception] = {}
+    for s, tokens in requests.items():
+        try:
+            results[s] = plans[s].commit(rows[s], pass_s, cpu_s=cpu_s, share=len(tokens) / n_pass)
+        except Exception as err:
+            results[s] = err
+    return results
+
+
 @dataclass
 class _Slot:
     """A sequence in the lockstep loop: the item it generates and that item's generation."""
@@ -275,23 +296,10 @@ class ParallelRunner:
             yield self._fail(slots, s, err)
         if not requests:
             return
-        t_pass = time.perf_counter()
-        cpu_pass = time.process_time()
-        try:
-            rows = self.seqs.eval(requests, logits="all")
-        except Exception as err:
-            for s in list(active):
-                yield self._fail(slots, s, err)
-            active.clear()
-            return
-        cpu_s = time.process_time() - cpu_pass
-        pass_s = time.perf_counter() - t_pass
-        n_pass = sum(len(tokens) for tokens in requests.values())
+        results = verify_all(self.seqs, {s: slots[s].seq for s in requests}, requests)
         for s in list(active):
-            try:
-                step = slots[s].seq.commit(rows[s], pass_s, cpu_s=cpu_s, share=len(requests[s]) / n_pass)
-            except Exception as err:
+            if isinstance(results[s], Exception):
                 active.remove(s)
-                yield self._fail(slots, s, err)
-                continue
-            yield step
+                yield self._fail(slots, s, results[s])
+            else:
+                yield results[s]

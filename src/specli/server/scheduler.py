@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from specli.decoding.engine import Generation, SequenceStep
-from specli.decoding.parallel import DecoderPool, ParallelRunner, item_error
+from specli.decoding.parallel import DecoderPool, ParallelRunner, item_error, verify_all
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SpecliError
 from specli.llama.model import LlamaModel, common_prefix_len
@@ -316,24 +316,15 @@ class Scheduler:
             self._fail(s, err)
         if not requests:
             return
-        t_pass, cpu_pass = time.perf_counter(), time.process_time()
-        try:
-            rows = self.seqs.eval(requests, logits="all")
-        except Exception as err:
-            for s in requests:
-                self._fail(s, err)
-            return
-        cpu_s, pass_s = time.process_time() - cpu_pass, time.perf_counter() - t_pass
-        self.counts["passes"] += 1
-        self.counts["most_sequences_in_a_pass"] = max(self.counts["most_sequences_in_a_pass"], len(requests))
-        n_pass = sum(len(tokens) for tokens in requests.values())
-        for s in requests:
-            slot = self.slots[s]
-            try:
-                slot.seq.commit(rows[s], pass_s, cpu_s=cpu_s, share=len(requests[s]) / n_pass)
-            except Exception as err:
-                self._fail(s, err)
+        results = verify_all(self.seqs, planning, requests)
+        if any(not isinstance(result, Exception) for result in results.values()):
+            self.counts["passes"] += 1
+            self.counts["most_sequences_in_a_pass"] = max(self.counts["most_sequences_in_a_pass"], len(requests))
+        for s, result in results.items():
+            if isinstance(result, Exception):
+                self._fail(s, result)
                 continue
+            slot = self.slots[s]
             gen = slot.seq.gen
             if slot.seq.ended():  # (an end-of-generation token, a stop string, max_tokens, a full context)
                 self._finish(s)
