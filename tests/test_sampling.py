@@ -17,7 +17,9 @@ import pytest
 from specli.errors import UsageError
 from stats_check import chi_square_p_value
 from specli.decoding.sampling import (
+    Dist,
     SamplingParams,
+    distribution,
     make_rng,
     probabilities,
     sample,
@@ -277,6 +279,41 @@ def test_rejection_never_emits_the_rejected_lookup_token():
 def test_no_draft_samples_from_p():
     verdict = verify_sampled(np.array([[0.0, 1.0, 0.0]]), None, [], np.random.default_rng(0))
     assert (verdict.n_accepted, verdict.tokens) == (0, [1])
+
+
+@pytest.mark.parametrize("lookup", [False, True], ids=["q-distribution", "q-one-hot"])
+def test_sparse_rows_give_the_dense_rows_draws_and_verdicts(lookup):
+    """The loop passes Dists (the kept tokens only); every mix of Dist and dense rows draws the
+    same drafts and reaches the same verdict from the same generator, residuals included."""
+    params = SamplingParams(top_k=20)
+    n_vocab, k = 500, 4
+    rejected = 0
+    for seed in range(150):
+        rng = np.random.default_rng(seed)
+        target = (rng.standard_normal((k + 1, n_vocab)) * 3).astype(np.float32)
+        draft_logits = target[:k] + (rng.standard_normal((k, n_vocab)) * 1.5).astype(np.float32)
+        p_sparse = [distribution(row, params) for row in target]
+        q_sparse = [distribution(row, params) for row in draft_logits]
+        p_dense, q_dense = np.stack([np.asarray(d) for d in p_sparse]), np.stack([np.asarray(d) for d in q_sparse])
+        draws = [sample(q, np.random.default_rng(seed)) for q in q_sparse]
+        assert draws == [sample(q, np.random.default_rng(seed)) for q in q_dense]
+        verdicts = [
+            verify_sampled(p, None if lookup else q, draws, np.random.default_rng(seed))
+            for p in (p_sparse, p_dense) for q in (q_sparse, q_dense)
+        ]  # fmt: skip
+        assert all(v == verdicts[0] for v in verdicts), verdicts
+        rejected += verdicts[0].n_accepted < k
+    assert rejected > 20  # the residuals were drawn from, not only full accepts
+
+
+def test_a_dist_reads_as_its_dense_row():
+    logits = np.array([0.5, 3.0, -1.0, 2.5, 2.9, -4.0], dtype=np.float32)
+    dist = distribution(logits, SamplingParams(top_k=3, top_p=1.0, min_p=0.0))
+    dense = probabilities(logits, SamplingParams(top_k=3, top_p=1.0, min_p=0.0))
+    assert isinstance(dist, Dist) and list(dist.ids) == [1, 3, 4]
+    assert np.array_equal(np.asarray(dist), dense)
+    assert [dist[t] for t in range(6)] == list(dense)
+    assert np.array_equal(dist.at(np.arange(6)), dense)
 
 
 # --- sample ------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
@@ -106,6 +107,40 @@ def test_min_p_first_decides_typical_rows_and_skips_full_vocabulary_top_p():
         assert sampling._min_p_first(logits, params) is not None, params
         got = probabilities(logits, params)
         assert list(np.flatnonzero(got)) == sorted(np.flatnonzero(reference(logits, params, [])[0]))
+
+
+@pytest.mark.parametrize("span", [5.0, 12.0], ids=["top-k-within-reach", "total-bounded"])
+def test_top_p_cutting_among_few_min_p_survivors_is_decided_exactly(span):
+    """Fewer than k tokens pass min-p and top-p cuts among them: its total is over top-k's k.
+    Where 40 tokens lie within _TOP_K_NEAR of the best they are found exactly; where fewer,
+    the rest of the total is bounded. Either way the result is the stages' in order, bit for bit."""
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal(100_000) * 0.5).astype(np.float32)
+    logits[[10, 20, 30]] = [20.0, 17.5, 17.2]  # within ln 20 of the best: min-p keeps 3
+    logits[rng.choice(np.arange(100, 100_000), 60, replace=False)] = 20.0 - span  # next in line
+    params = SamplingParams(top_p=0.7)  # the best holds 0.72-0.87 of top-k's mass: the cut is at 1
+    assert sampling._min_p_first(logits, params) is not None
+    got = probabilities(logits, params)
+    assert list(np.flatnonzero(got)) == [10]
+    original = sampling._min_p_first
+    sampling._min_p_first = lambda row, p: None
+    try:
+        np.testing.assert_array_equal(got, probabilities(logits, params))
+    finally:
+        sampling._min_p_first = original
+    np.testing.assert_allclose(got, reference(logits, params, [])[0], rtol=1e-6, atol=1e-12)
+
+
+def test_top_p_cut_within_the_bounded_rest_of_the_total_is_left_to_the_stages():
+    """37 of top-k's 40 lie just beyond _TOP_K_NEAR: their 0.0075 of the mass moves the cut
+    (the best's share is 0.8749 without them, 0.8692 with them; top_p 0.872)."""
+    logits = np.zeros(50_000, dtype=np.float32)
+    logits[[10, 20, 30]] = [20.0, 17.5, 17.2]
+    logits[1000:1100] = 20.0 - 8.5
+    params = SamplingParams(top_p=0.872)
+    got = probabilities(logits, params)
+    assert list(np.flatnonzero(got)) == [10, 20]
+    np.testing.assert_allclose(got, reference(logits, params, [])[0], rtol=1e-6, atol=1e-12)
 
 
 def test_ties_at_the_top_k_boundary_go_to_the_lower_ids():

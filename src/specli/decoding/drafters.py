@@ -22,7 +22,7 @@ import numpy as np
 
 from specli.llama.model import LlamaModel
 from specli.decoding.policy import FIXED, DraftJudge
-from specli.decoding.sampling import GREEDY, SamplingParams, greedy_choice, penalty_history, sample_from_logits
+from specli.decoding.sampling import GREEDY, Dist, SamplingParams, greedy_choice, penalty_history, sample_from_logits
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Proposal:
     """
 
     tokens: list[int]
-    q_rows: list[np.ndarray] | None = None
+    q_rows: list[Dist] | None = None
     source: str | None = None  # the drafter that made it ("lookup", "draft-model")
     confidences: list[float] | None = None  # the draft model's probability of each token
     # A draft model's cost per drafted token in this proposal: mean seconds of one round of
@@ -157,7 +157,7 @@ class DraftModelDrafter:
         caught_up = n_new > 2
         self._context_len = len(view)
         tokens: list[int] = []
-        q_rows: list[np.ndarray] | None = None if self.sampling.greedy else []
+        q_rows: list[Dist] | None = None if self.sampling.greedy else []
         # The draft's confidence steers --draft-max auto token by token in greedy decoding only. A sampled
         # token's q (T 0.8, a90 pair) stopped proposals where drafting on paid: auto 1.34x
         # against 1.53x from per-position acceptance alone (N=12: 1.55x).

@@ -32,7 +32,7 @@ from specli.errors import SettingError, UsageError
 from specli.llama.context import SequenceView
 from specli.llama.model import LlamaModel, common_prefix_len
 from specli.decoding.policy import FIXED, AdaptivePolicy, DraftJudge, StepReport
-from specli.decoding.sampling import GREEDY, SamplingParams, make_rng, penalized_row, penalty_history, probabilities, verify_sampled
+from specli.decoding.sampling import GREEDY, Dist, SamplingParams, distribution, make_rng, penalized_row, penalty_history, verify_sampled
 from specli.decoding.stats import Stats
 from specli.decoding.text import TextStream
 from specli.decoding.verify import Verdict, verify_greedy
@@ -477,5 +477,5 @@ class TargetRows:
     def __len__(self) -> int:
         return len(self._draft) + 1
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        return probabilities(self._logits[i], self._sampling, penalty_history(self._sampling, self._context, self._draft[:i]))
+    def __getitem__(self, i: int) -> Dist:
+        return distribution(self._logits[i], self._sampling, penalty_history(self._sampling, self._context, self._draft[:i]))

@@ -120,14 +120,52 @@ def make_rng(seed: int | None) -> np.random.Generator:
 
 
 # --- logits -> probabilities ----------------------------------------------------------------
+class Dist:
+    """A distribution over the vocabulary kept as its support: the kept token ids, ascending,
+    and their probabilities (float64, aligned; an entry may be 0 where the softmax underflowed).
+
+    `distribution()` returns one per row; verification reads it by token (`dist[x]`) and
+    `sample` draws from it without writing or scanning a vocabulary-sized row: after the
+    sampler chain a few dozen tokens remain of 128k-262k. `np.asarray(dist)` is the dense row
+    that `probabilities()` returns.
+    """
+
+    __slots__ = ("ids", "probs", "n_vocab")
+
+    def __init__(self, ids: np.ndarray, probs: np.ndarray, n_vocab: int):
+        self.ids, self.probs, self.n_vocab = ids, probs, n_vocab
+
+    def __getitem__(self, token: int) -> float:
+        i = int(np.searchsorted(self.ids, token))
+        return float(self.probs[i]) if i < self.ids.shape[0] and self.ids[i] == token else 0.0
+
+    def at(self, tokens: np.ndarray) -> np.ndarray:
+        """The probabilities of several token ids at once (0 outside the support)."""
+        pos = np.minimum(np.searchsorted(self.ids, tokens), self.ids.shape[0] - 1)
+        return np.where(self.ids[pos] == tokens, self.probs[pos], 0.0)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        dense = np.zeros(self.n_vocab, dtype=np.float64)
+        dense[self.ids] = self.probs
+        return dense if dtype is None else dense.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"Dist({dict(zip(self.ids.tolist(), self.probs.tolist()))}, n_vocab={self.n_vocab})"
+
+
 def probabilities(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
+    """The dense form of `distribution()`: float64 of shape (V,), zero outside the kept tokens."""
+    return np.asarray(distribution(logits, params, history))
+
+
+def distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> Dist:
     """The sampling distribution for one logits row, as llama.cpp's default sampler chain.
 
     Needs logits of shape (V,) (any float dtype; never modified, so a view of llama.cpp's buffer
     is fine) and history = the context so far (prompt + generated tokens, oldest first, as
     llama-completion feeds the prompt to its sampler: tools/completion/completion.cpp), of which
-    the last params.repeat_last_n are penalised. Returns float64 of shape (V,), zero outside the
-    kept tokens, summing to 1.
+    the last params.repeat_last_n are penalised. Returns the kept tokens and their
+    probabilities (float64, summing to 1) as a `Dist`.
 
     Stages, in the order of common_params_sampling::samplers (common/common.h) as built by
     common_sampler_init (common/sampling.cpp), src/llama-sampler.cpp:
@@ -160,7 +198,7 @@ def probabilities(logits: np.ndarray, params: SamplingParams, history: Sequence[
     n_vocab = row.shape[0]
     row = _penalize(row, params, history)
     if params.greedy:
-        return _one_hot(int(np.argmax(row)), n_vocab)
+        return Dist(np.array([int(np.argmax(row))]), np.ones(1), n_vocab)
 
     kept = _min_p_first(row, params) if params.min_p > 0 else None
     if kept is not None:
@@ -174,12 +212,12 @@ def probabilities(logits: np.ndarray, params: SamplingParams, history: Sequence[
             keep = vals >= vals.max() + math.log(params.min_p)
             ids, vals = ids[keep], vals[keep]
 
-    probs = np.zeros(n_vocab, dtype=np.float64)
     # Shifted before dividing, so that a tiny temperature (even 1e-310) cannot overflow into
     # inf - inf: the best logit becomes 0, the others fall towards -inf, whose exp is 0.
     with np.errstate(over="ignore"):
-        probs[ids] = _softmax((vals - vals.max()) / params.temperature)
-    return probs
+        probs = _softmax((vals - vals.max()) / params.temperature)  # summed in the chain's order
+    order = np.argsort(ids, kind="stable")  # (linear on ids already ascending)
+    return Dist(ids[order], probs[order], n_vocab)
 
 
 def penalized_row(logits: np.ndarray, params: SamplingParams, context: Sequence[int], extra: Sequence[int] = ()) -> np.ndarray:
@@ -271,7 +309,7 @@ def _min_p_first(row: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, n
         head = weights[:-1].sum()
         if not head < params.top_p * weights.sum() * (1 - _MIN_P_MARGIN):
             if k < n_vocab:
-                return None
+                return _top_k_near(row, best, k, params.top_p, threshold, ids.shape[0])
             # No top-k: the softmax's total over the row, in float32 (one pass, no float64
             # copy; its relative error is ~1e-6 at most, hence the wider margin)
             with np.errstate(under="ignore"):
@@ -291,6 +329,49 @@ def _min_p_first(row: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, n
 _MIN_P_MAX_CANDIDATES = 4096
 _MIN_P_MARGIN = 1e-9
 _MIN_P_MARGIN_ROW = 1e-5
+
+
+def _top_k_near(row: np.ndarray, best: float, k: int, top_p: float, threshold: float, n_min_p: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The survivors when fewer than k tokens pass min-p (n_min_p of them) and top-p may cut
+    among them: top-p's cut then depends on the softmax total over top-k's k survivors.
+
+    One more pass takes N, the logits within _TOP_K_NEAR of the best. With |N| >= k the k
+    largest are in N, and the stages run on them exactly as on the row. With |N| < k all of N
+    is in the top k, and the k - |N| others each weigh under exp(-_TOP_K_NEAR) of the best:
+    the total is known within that, and where the cut (which min-p limits to the n_min_p
+    best) is the same at both ends of that range, it is the cut. None otherwise (too many
+    candidates, or a cut within rounding of the bounds): the stages then run in order.
+    """
+    loose = np.nextafter(row.dtype.type(best - _TOP_K_NEAR), row.dtype.type(-np.inf))
+    # Gathering many scattered ids costs more than the stages in order: a strided sample
+    # estimates how many there are first.
+    if np.count_nonzero(row[::_NEAR_SAMPLE] >= loose) * _NEAR_SAMPLE > _MIN_P_MAX_CANDIDATES // 2:
+        return None
+    near = np.flatnonzero(row >= loose)
+    if near.shape[0] > k:
+        near = np.sort(near[_largest(row[near], k)])
+    vals = row[near].astype(np.float64)
+    order = _descending(vals)
+    ids, vals = near[order], vals[order]
+    if ids.shape[0] == k:
+        ids, vals = _top_p(ids, vals, top_p, True)
+        keep = vals >= threshold
+        return ids[keep], vals[keep]
+    cumulative = np.cumsum(np.exp(vals - vals[0]))
+    low = cumulative[-1] * (1 - _MIN_P_MARGIN)
+    high = (cumulative[-1] + (k - ids.shape[0]) * math.exp(-_TOP_K_NEAR)) * (1 + _MIN_P_MARGIN)
+    # first position whose mass reaches top_p of the total, at either end of the total's range
+    cuts = np.searchsorted(cumulative, [top_p * low, top_p * high], side="left")
+    cut_low, cut_high = (min(int(c), n_min_p - 1) for c in cuts)
+    if cut_low != cut_high:
+        return None
+    return ids[: cut_low + 1], vals[: cut_low + 1]
+
+
+# How far below the best logit `_top_k_near` looks: any span is exact (it gives up where it
+# cannot decide); this one usually holds k = 40 candidates, and a few hundred, on LLM rows.
+_TOP_K_NEAR = 8.0
+_NEAR_SAMPLE = 16
 
 
 def _top_k(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -383,22 +464,23 @@ def _softmax(vals: np.ndarray) -> np.ndarray:
     return weights / weights.sum()
 
 
-def _one_hot(token: int, n_vocab: int) -> np.ndarray:
-    probs = np.zeros(n_vocab, dtype=np.float64)
-    probs[token] = 1.0
-    return probs
-
-
 # --- drawing --------------------------------------------------------------------------------
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token id from probs (shape (V,), non-negative, not all zero; need not sum to 1).
+def sample(probs: np.ndarray | Dist, rng: np.random.Generator) -> int:
+    """Draw one token id from probs (a Dist, or a dense row of shape (V,); non-negative, not all
+    zero; need not sum to 1).
 
-    One uniform draw, inverse CDF over the nonzero entries only (after top-k there are a few
-    dozen of them, so the cumulative sum is tiny). Never returns a zero-probability token.
+    One uniform draw, inverse CDF over the nonzero entries only, in id order (after top-k there
+    are a few dozen of them, so the cumulative sum is tiny): a Dist and its dense row draw the
+    same token from the same generator. Never returns a zero-probability token.
     """
-    support = np.flatnonzero(probs > 0)  # 10x faster than flatnonzero(probs) on float64
+    if isinstance(probs, Dist):
+        nonzero = probs.probs > 0
+        support, weights = probs.ids[nonzero], probs.probs[nonzero]
+    else:
+        support = np.flatnonzero(probs > 0)  # 10x faster than flatnonzero(probs) on float64
+        weights = probs[support]
     assert support.shape[0] > 0, "cannot sample from an all-zero distribution"
-    cumulative = np.cumsum(probs[support], dtype=np.float64)
+    cumulative = np.cumsum(weights, dtype=np.float64)
     target = rng.random() * cumulative[-1]  # in [0, total)
     # first entry whose cumulative mass exceeds the target; min() guards the float edge
     i = int(np.searchsorted(cumulative, target, side="right"))
@@ -407,12 +489,12 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 def sample_from_logits(
     logits: np.ndarray, params: SamplingParams, history: Sequence[int], rng: np.random.Generator
-) -> tuple[int, np.ndarray]:
-    """Draft side: (token, q) where q = probabilities(logits, params, history) and token ~ q.
+) -> tuple[int, Dist]:
+    """Draft side: (token, q) where q = distribution(logits, params, history) and token ~ q.
 
     Keep q: verify_sampled needs the distribution each draft token was drawn from.
     """
-    q = probabilities(logits, params, history)
+    q = distribution(logits, params, history)
     return sample(q, rng), q
 
 
@@ -422,10 +504,11 @@ def verify_sampled(
 ) -> Verdict:
     """Speculative sampling's accept/reject step: accepted drafts + one token from the target.
 
-    Needs p_rows, k+1 rows of V (an array or any sequence of rows): row i = the target's probabilities for the token after
-    context + draft[:i] (so row k is the bonus position), each from `probabilities()` with that
-    history. q_rows, k rows: row i = the distribution draft[i] was sampled from; None when
-    the drafter has no distribution (prompt lookup), which means q_i is one-hot on draft[i].
+    Needs p_rows, k+1 rows (an array or any sequence of rows; a row is a Dist or a dense row of
+    V): row i = the target's probabilities for the token after context + draft[:i] (so row k is
+    the bonus position), each from `distribution()` with that history. q_rows, k rows: row i =
+    the distribution draft[i] was sampled from; None when the drafter has no distribution
+    (prompt lookup), which means q_i is one-hot on draft[i].
     Returns Verdict(n_accepted, tokens) with tokens = draft[:n_accepted] + [one emitted token].
     """
     k = len(draft)
@@ -443,13 +526,21 @@ def verify_sampled(
     return Verdict(k, [int(t) for t in draft] + [sample(p_rows[k], rng)])
 
 
-def _residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
+def _residual(p: np.ndarray | Dist, q: np.ndarray | Dist | None, x: int) -> np.ndarray | Dist:
     """normalize(max(0, p - q)), where the rejected token is resampled from (unnormalized is
     fine: `sample` divides by the total). One-hot q on x: p without x.
 
     When the residual has (almost) no mass, p and q differ only by rounding and a rejection was
     (almost) impossible; p itself is then the right answer up to that negligible mass.
     """
+    if isinstance(p, Dist):  # the residual is 0 wherever p is: only p's support is computed
+        if q is None:
+            kept = np.where(p.ids == x, 0.0, p.probs)
+        else:
+            kept = np.maximum(p.probs - (q.at(p.ids) if isinstance(q, Dist) else np.asarray(q)[p.ids]), 0.0)
+        return p if kept.sum() <= _RESIDUAL_MIN_MASS else Dist(p.ids, kept, p.n_vocab)
+    if isinstance(q, Dist):
+        q = np.asarray(q)
     if q is None:
         residual = np.array(p, dtype=np.float64)
         residual[x] = 0.0
