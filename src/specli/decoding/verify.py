@@ -34,10 +34,11 @@ def verify_greedy(logits_tgt: np.ndarray, draft: Sequence[int]) -> Verdict:
     """
     k = len(draft)
     assert logits_tgt.shape[0] == k + 1, (logits_tgt.shape, k)
-    choices = np.argmax(logits_tgt, axis=1)
+    # Row by row up to the first disagreement: rows after it are never read (an argmax over
+    # a 262k-token row is ~20 us of host time a row).
     n_accepted = 0
-    while n_accepted < k and int(choices[n_accepted]) == draft[n_accepted]:
+    choice = int(np.argmax(logits_tgt[0]))
+    while n_accepted < k and choice == draft[n_accepted]:
         n_accepted += 1
-    tokens = [int(t) for t in draft[:n_accepted]]
-    tokens.append(int(choices[n_accepted]))
-    return Verdict(n_accepted, tokens)
+        choice = int(np.argmax(logits_tgt[n_accepted]))
+    return Verdict(n_accepted, [int(t) for t in draft[:n_accepted]] + [choice])
