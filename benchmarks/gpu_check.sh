@@ -6,18 +6,22 @@
 #
 # With an NVIDIA GPU (nvidia-smi answers):
 #   1. a fresh venv under $WORK (default ${TMPDIR:-/tmp}/specli-gpu-check), which sees this
-#      environment's packages (specli, numpy, pytest, ...) behind its own, gets
-#      llama-cpp-python 0.3.36 built with CMAKE_ARGS="-DGGML_CUDA=on
-#      -DCMAKE_CUDA_ARCHITECTURES=<compute_cap>": that GPU's architecture only; the build time is
-#      printed and written to the summary. Offline: SPECLI_LLAMA_SDIST=<path to the sdist> and
-#      SPECLI_WHEELHOUSE=<folder with scikit-build-core's wheels> (pip download both beforehand).
+#      environment's packages (numpy, pytest, typer, ...) behind its own, gets llama-cpp-python
+#      0.3.36 built with CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=<compute_cap>":
+#      that GPU's architecture only; the build time is printed and written to the summary.
+#      Offline (a machine with no network): `benchmarks/gpu_bundle.sh` first, where pip works; its
+#      folder .gpu/ (or $SPECLI_GPU_BUNDLE) holds a trimmed sdist and the wheels this needs
+#      beyond such a machine's own packages, and is installed with --no-index, building against
+#      the environment's scikit-build-core, cmake and ninja (--no-build-isolation).
 #   2. pytest -m gpu tests/test_gpu.py (full offload, -ngl/-ngld splits, fit's device query);
 #   3. specli bench, target-only vs lookup vs draft model, on Gemma 3 270M F16 + Q4_K_M (when the
 #      demo package is installed) and on a synthetic pair with an 8x cost ratio at a larger width.
+# specli runs from this checkout's src/ (installed or not).
 # Without one (or SPECLI_GPU_CHECK_FORCE_CPU=1) it says so on stderr and runs the same flow on the
 # current (CPU) build with tiny settings: no CUDA build, a tiny pair, one round, so that the
 # script itself is checked (tests/test_gpu.py does, in the normal suite). SPECLI_GPU_CHECK_TINY=1
-# forces the tiny settings on a GPU too.
+# forces the tiny settings on a GPU too; SPECLI_GPU_CHECK_BUILD=1 runs step 1 without a GPU too
+# (a CPU build: to check a bundle); SPECLI_GPU_CMAKE_EXTRA adds CMake flags to the CUDA build.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,10 +42,23 @@ if [[ "${SPECLI_GPU_CHECK_FORCE_CPU:-0}" != 1 ]] && command -v nvidia-smi >/dev/
 fi
 TINY="${SPECLI_GPU_CHECK_TINY:-$((1 - GPU))}"
 
+BUILD="${SPECLI_GPU_CHECK_BUILD:-$GPU}"
 if [[ $GPU == 1 ]]; then
   nvidia-smi > "$OUTDIR/nvidia-smi.txt" 2>&1 || true
   CAP="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d ' .')"
   say "mode: gpu ($(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n1), sm_$CAP)"
+  CMAKE="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$CAP ${SPECLI_GPU_CMAKE_EXTRA:-}"
+  # CUDA images keep nvcc under /usr/local/cuda, not always on PATH
+  if ! command -v nvcc > /dev/null 2>&1 && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+    export PATH="/usr/local/cuda/bin:$PATH" CUDACXX=/usr/local/cuda/bin/nvcc
+  fi
+  say "nvcc: $(nvcc --version 2>/dev/null | tail -n1 || echo 'not found')"
+else
+  echo "gpu_check: no NVIDIA GPU here (or SPECLI_GPU_CHECK_FORCE_CPU=1): checking the flow on the CPU build with tiny settings" >&2
+  echo "mode: cpu (no NVIDIA GPU; the CPU build, tiny settings)" >> "$SUMMARY"
+  CMAKE=""
+fi
+if [[ $BUILD == 1 ]]; then
   VENV="$WORK/venv"
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
@@ -49,21 +66,30 @@ if [[ $GPU == 1 ]]; then
   BASE_SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   VENV_SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   echo "import site; site.addsitedir('$BASE_SITE')" > "$VENV_SITE/zz_specli_base.pth"
-  SRC="${SPECLI_LLAMA_SDIST:-llama-cpp-python==0.3.36}"
+  BUNDLE="${SPECLI_GPU_BUNDLE:-$ROOT/.gpu}"
+  SRC="llama-cpp-python==0.3.36"
   PIP_EXTRA=()
-  [[ -n "${SPECLI_WHEELHOUSE:-}" ]] && PIP_EXTRA=(--no-index --find-links "$SPECLI_WHEELHOUSE")
-  say "building $SRC with CUDA for sm_$CAP (log: build.log)"
+  if [[ -d "$BUNDLE" ]]; then
+    SRC="$(ls "$BUNDLE"/llama_cpp_python-0.3.36*.tar.gz | head -n1)"
+    PIP_EXTRA=(--no-index --no-build-isolation)
+    if compgen -G "$BUNDLE/*.whl" > /dev/null; then
+      "$VENV/bin/pip" install -q --no-index --no-deps "$BUNDLE"/*.whl > "$OUTDIR/wheels.log" 2>&1 \
+        || { say "installing the bundle's wheels FAILED: see wheels.log"; exit 1; }
+    fi
+    say "offline, from $BUNDLE"
+  fi
+  say "building $(basename "$SRC") ${CMAKE:+with $CMAKE }(log: build.log)"
   T0=$(date +%s)
-  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$CAP" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+  CMAKE_ARGS="$CMAKE" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "$VENV/bin/pip" install --no-cache-dir --no-deps --force-reinstall -v "${PIP_EXTRA[@]}" "$SRC" \
     > "$OUTDIR/build.log" 2>&1 || { say "build FAILED after $(( $(date +%s) - T0 )) s: see build.log"; tail -n 30 "$OUTDIR/build.log" >&2; exit 1; }
   say "build: $(( $(date +%s) - T0 )) s"
   PY="$VENV/bin/python"
+fi
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+if [[ $GPU == 1 ]]; then
   "$PY" -c 'import llama_cpp, sys; ok = llama_cpp.llama_supports_gpu_offload(); print("gpu offload:", ok); sys.exit(0 if ok else 1)' \
     | tee -a "$SUMMARY" >&2 || { say "the build has no GPU offload: see build.log"; exit 1; }
-else
-  echo "gpu_check: no NVIDIA GPU here (or SPECLI_GPU_CHECK_FORCE_CPU=1): checking the flow on the CPU build with tiny settings" >&2
-  echo "mode: cpu (no NVIDIA GPU; the CPU build, tiny settings)" >> "$SUMMARY"
 fi
 SPECLI=("$PY" -m specli)
 
