@@ -182,6 +182,37 @@ def test_cancel_frees_the_slot_and_a_resent_conversation_reuses_its_cache(model)
         scheduler.close()
 
 
+def test_a_long_prompt_goes_in_between_the_other_slots_passes(model):
+    """A new prompt is evaluated a batch at a time, each batch between two passes of the slots
+    already generating, instead of holding them up until all of it is in."""
+    log: queue_module.Queue = queue_module.Queue()
+    long_prompt = " ".join(PROMPTS * 4)  # ~100 tokens: 13 batches of 8
+    expected = sequential(model, long_prompt, 10)
+    scheduler = Scheduler(loaded_for(model), n_seq=2, queue_limit=4, n_threads=1, kv_type="f32", flash_attn="off", prefill_batch=8)
+    scheduler.start()
+    try:
+        scheduler.submit(job_for(model, PROMPTS[4], 200, lambda event: log.put(("running", event))))
+        assert log.get(timeout=60)[0] == "running"  # it generates
+        scheduler.submit(job_for(model, long_prompt, 10, lambda event: log.put(("new", event))))
+        between, text = 0, []
+        while True:
+            who, event = log.get(timeout=120)
+            if who == "running":
+                between += not text
+            elif isinstance(event, Delta):
+                text.append(event.text)
+            else:
+                text.append(event.tail)
+                break
+        assert "".join(text) == expected  # whole batches: the numerics of one evaluation
+        assert event.generation.stats.prompt_tokens == len(model.tokenize(long_prompt, add_bos=model.vocab_info().add_bos))
+        assert between >= 10  # the running slot went on while the prompt went in
+    finally:
+        scheduler.stop()
+        scheduler.join(30)
+        scheduler.close()
+
+
 def test_the_queue_is_bounded_and_stop_ends_running_and_queued_jobs(model):
     scheduler = Scheduler(loaded_for(model), n_seq=1, queue_limit=1, n_threads=1)
     scheduler.start()

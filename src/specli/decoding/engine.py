@@ -357,22 +357,36 @@ class SequenceStep:
         self._gap_s: float | None = None  # from the previous step's end to the pending one's start
         self._t_previous: float | None = None  # when the previous step's pass and verification ended
         self._t_gen = 0.0
+        self._prefilled: int | None = None  # how much of the prompt the cache holds, while begin() runs
 
-    def begin(self) -> None:
+    def begin(self, budget: int | None = None) -> bool:
         """Put the prompt but `last` into the cache (keeping what it already holds of it, such as
-        a chat's history) and start the drafter."""
+        a chat's history) and start the drafter; True when done.
+
+        With a budget, each call evaluates at most that many tokens of the prompt, and returns
+        False until the whole prompt is in: a server evaluates a long prompt between the other
+        sequences' passes. A budget that is a multiple of the cache's batch size gives the very
+        batches of one call."""
         gen, cache, context = self.gen, self.cache, self.context
         t0 = time.perf_counter()
-        reused = common_prefix_len(cache.cached, context[:-1])
-        cache.truncate(reused)
-        cache.eval(context[reused:-1], logits="none")
+        if self._prefilled is None:
+            reused = common_prefix_len(cache.cached, context[:-1])
+            cache.truncate(reused)
+            self._prefilled = gen.stats.prompt_reused = reused
+            gen.stats.prompt_tokens = len(context)
+            gen.stats.prompt_s = 0.0
+        end = len(context) - 1 if budget is None else min(len(context) - 1, self._prefilled + budget)
+        cache.eval(context[self._prefilled : end], logits="none")
+        self._prefilled = end
+        if end < len(context) - 1:
+            gen.stats.prompt_s += time.perf_counter() - t0
+            return False
         self.rng = make_rng(gen.seed)
         if self.decoder.drafter is not None:
             self.decoder.drafter.begin(context, self.decoder.sampling, self.rng)
-        gen.stats.prompt_tokens = len(context)
-        gen.stats.prompt_reused = reused
-        gen.stats.prompt_s = time.perf_counter() - t0
+        gen.stats.prompt_s += time.perf_counter() - t0
         self._t_gen = time.perf_counter()
+        return True
 
     def ended(self) -> bool:
         """Whether the generation is over; before a pass, ends it when it has max_tokens or

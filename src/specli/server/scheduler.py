@@ -95,13 +95,16 @@ class _Slot:
         self.seq: Optional[SequenceStep] = None
         self.sent = 0  # characters of the generation's text already emitted
         self.last_used = 0
+        self.ready = False  # its prompt is in the cache: it takes part in passes
 
 
 class Scheduler:
     def __init__(
         self, loaded: Loaded, *, n_seq: int, queue_limit: int, n_threads: Optional[int] = None, describe=str,
-        kv_type: str = "f16", flash_attn: str = "auto",
+        kv_type: str = "f16", flash_attn: str = "auto", prefill_batch: Optional[int] = None,
     ):  # fmt: skip
+        """prefill_batch: how many tokens of a new prompt go in between two passes of the other
+        slots (default: the context's batch size, so that prompts go in run's very batches)."""
         self.model_tgt = loaded.model_tgt
         self.mode = loaded.plan.mode
         self.n_draft = loaded.decoder.n_draft_label
@@ -122,6 +125,7 @@ class Scheduler:
             self.seqs, caches, pools = self.runner.seqs, self.runner.views, self.runner.pools
             self.max_pass = self.seqs.n_batch // n_seq  # every sequence's part fits the shared batch
         self.slots = [_Slot(pool, cache) for pool, cache in zip(pools, caches)]
+        self.prefill_batch = prefill_batch or self.seqs.n_batch
         self.n_ctx = self.slots[0].cache.n_ctx
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
@@ -208,7 +212,8 @@ class Scheduler:
             for s in starts:
                 self._start(s)
             self._drop_cancelled()
-            active = self._active()
+            self._prefill()
+            active = [s for s in self._active() if self.slots[s].ready]
             if active:
                 self._pass(active)
         self._shut_down()
@@ -245,14 +250,24 @@ class Scheduler:
                 job.prompt_ids, max_tokens=job.max_tokens, cache=slot.cache, max_pass=self.max_pass, stop=job.stop, seed=job.seed,
             )  # fmt: skip
             slot.sent = 0
+            slot.ready = False
             if common_prefix_len(slot.cache.cached, job.prompt_ids) <= 1:
                 # Nothing worth keeping (at most BOS): start from an empty cache, so the prompt is
                 # evaluated in the very batches `run` uses (another split rounds otherwise on
                 # quantized models, enough to flip a near-tie).
                 slot.cache.truncate(0)
-            slot.seq.begin()
         except Exception as err:
             self._fail(s, err)
+
+    def _prefill(self) -> None:
+        """One batch of each new slot's prompt: a long prompt goes in between the other slots'
+        passes instead of holding them up (in whole batches, so in `run`'s very batches)."""
+        for s, slot in enumerate(self.slots):
+            if slot.job is not None and not slot.ready:
+                try:
+                    slot.ready = slot.seq.begin(budget=self.prefill_batch)
+                except Exception as err:
+                    self._fail(s, err)
 
     def _drop_cancelled(self) -> None:
         for s, slot in enumerate(self.slots):
