@@ -336,13 +336,16 @@ def test_parallel_equals_sequential_token_for_token(pair_perturbed, drafting, sa
 @pytest.mark.parametrize("n_draft", [4, "auto"])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["draft-model", "hybrid"])
 def test_parallel_with_a_draft_model_equals_sequential(pair_perturbed, n_draft, hybrid):
-    """One draft cache per sequence (a second multi-sequence context on the draft's weights)."""
+    """One draft cache per sequence (a second multi-sequence context on the draft's weights).
+    The models' own contexts are freed first, as the commands do: nothing needs them."""
     model, model_dft = load(pair_perturbed[0], n_ctx=256), load(pair_perturbed[1], n_ctx=256)
     try:
         items = engine_items(PROMPTS)
         mode = "hybrid" if hybrid else "draft-model"
         reference = generate(run_sequential(DecoderPool(model, make_drafter(mode, model_dft), n_draft), items))
-        runner = ParallelRunner(model, mode, n_draft, 2, n_threads=1, kv_type="f32", flash_attn="off", model_dft=model_dft)
+        runner = ParallelRunner(model, mode, n_draft, 2, n_threads=1, kv_type="f32", flash_attn="off", model_dft=model_dft,
+                                release_models=True)  # fmt: skip
+        assert model._ctx is None and model_dft._ctx is None
         drafted = 0
         try:
             events = list(runner.run(items))

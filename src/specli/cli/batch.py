@@ -220,7 +220,7 @@ def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, qui
     if parallel > 1:
         runner = ParallelRunner(
             loaded.model_tgt, the_plan.mode, loaded.decoder.n_draft_label, parallel, n_threads=choice.threads,
-            model_dft=loaded.model_dft, describe=error_message,
+            model_dft=loaded.model_dft, describe=error_message, release_models=True,
         )  # fmt: skip
         events = runner.run(_items_writing_errors(todo, writer, summary, prepare))
     else:

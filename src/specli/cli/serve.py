@@ -69,7 +69,7 @@ def serve_command(
         loaded = load_models(the_plan, choice, quiet=quiet, verbose=verbose)
         try:
             settings = _settings(loaded, the_plan, models, choice, api_key, max_tokens, template, quiet)
-            scheduler = Scheduler(loaded, n_seq=parallel, queue_limit=queue, n_threads=threads, describe=error_message)
+            scheduler = Scheduler(loaded, n_seq=parallel, queue_limit=queue, n_threads=threads, describe=error_message, release_models=True)
             service = server_app.Service(scheduler, loaded.model_tgt, settings)
             bound_host, bound_port = server_app.address_of(sock)
 

@@ -152,8 +152,8 @@ class ParallelRunner:
 
     Each slot gets its own drafter for `mode` (drafters.MODES). The modes with a draft model
     (`model_dft`) draft through their own sequence of a second multi-sequence context on the
-    draft model's weights: one draft cache per sequence. (Each slot's draft passes run on their
-    own; only the target's passes are shared.)
+    draft model's weights: one draft cache per sequence, every slot's next draft token in one
+    pass of it (`plan_all`).
     With `--draft-max auto` each slot's policy sizes its drafts; a shared pass is charged to each
     sequence in proportion to the tokens it put into it (an approximation: one sequence's
     extra drafts widen a pass that the others share).
@@ -162,10 +162,16 @@ class ParallelRunner:
     def __init__(
         self, model_tgt: LlamaModel, mode: str, n_draft: int | str, n_seq: int,
         *, n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
-        model_dft: LlamaModel | None = None, describe: Describe = str,
+        model_dft: LlamaModel | None = None, describe: Describe = str, release_models: bool = False,
     ):  # fmt: skip
+        """release_models: free the models' own contexts (their KV caches) first, which the
+        runner never evaluates through; the commands do, tests comparing with them do not."""
         self.model_tgt, self.describe = model_tgt, describe
         self.n_ctx = model_tgt.n_ctx  # per sequence, as for `run`
+        if release_models:
+            model_tgt.release_context()
+            if mode in WITH_DRAFT_MODEL and model_dft is not None:
+                model_dft.release_context()
         self.draft_seqs = None
         if mode in WITH_DRAFT_MODEL:
             if model_dft is None:

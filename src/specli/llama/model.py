@@ -257,6 +257,7 @@ class LlamaModel:
         return out
 
     def _decode_chunk(self, chunk: Sequence[int], logits: str) -> int:
+        assert self._ctx, "internal: this model's own context was released"
         batch = self._batch
         pos0 = len(self.cached)
         n = len(chunk)
@@ -311,7 +312,16 @@ class LlamaModel:
 
     def reset(self) -> None:
         """Empty the cache."""
-        llama_cpp.llama_memory_clear(self._memory, True)
+        if self._ctx:
+            llama_cpp.llama_memory_clear(self._memory, True)
+        self.cached.clear()
+        self._tail_logits = None
+
+    def release_context(self) -> None:
+        """Free this model's own context (its KV cache and buffers), keeping the weights, for a
+        caller that evaluates only through other contexts on them (MultiSequenceContext): on a
+        GPU the unused cache would hold memory those need. Evaluating afterwards is a bug."""
+        free_context(self)
         self.cached.clear()
         self._tail_logits = None
 

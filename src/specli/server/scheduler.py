@@ -101,10 +101,12 @@ class _Slot:
 class Scheduler:
     def __init__(
         self, loaded: Loaded, *, n_seq: int, queue_limit: int, n_threads: Optional[int] = None, describe=str,
-        kv_type: str = "f16", flash_attn: str = "auto", prefill_batch: Optional[int] = None,
+        kv_type: str = "f16", flash_attn: str = "auto", prefill_batch: Optional[int] = None, release_models: bool = False,
     ):  # fmt: skip
         """prefill_batch: how many tokens of a new prompt go in between two passes of the other
-        slots (default: the context's batch size, so that prompts go in run's very batches)."""
+        slots (default: the context's batch size, so that prompts go in run's very batches).
+        release_models: with several slots, free the models' own contexts, which the slots'
+        context replaces (ParallelRunner)."""
         self.model_tgt = loaded.model_tgt
         self.mode = loaded.plan.mode
         self.n_draft = loaded.decoder.n_draft_label
@@ -120,7 +122,7 @@ class Scheduler:
         else:
             self.runner = ParallelRunner(
                 self.model_tgt, self.mode, self.n_draft, n_seq, n_threads=n_threads, model_dft=loaded.model_dft, describe=describe,
-                kv_type=kv_type, flash_attn=flash_attn,
+                kv_type=kv_type, flash_attn=flash_attn, release_models=release_models,
             )  # fmt: skip
             self.seqs, caches, pools = self.runner.seqs, self.runner.views, self.runner.pools
             self.max_pass = self.seqs.n_batch // n_seq  # every sequence's part fits the shared batch
