@@ -14,7 +14,7 @@ import pytest
 
 from conftest import FIXTURE_CTX
 from specli.session import batch
-from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, run_sequential
+from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, SharedPassCost, run_sequential
 from specli.decoding.drafters import make_drafter
 from specli.llama.model import LlamaModel
 from specli.decoding.sampling import GREEDY, SamplingParams
@@ -357,6 +357,26 @@ def test_parallel_with_a_draft_model_equals_sequential(pair_perturbed, n_draft, 
     finally:
         model_dft.close()
         model.close()
+
+
+def test_a_shared_pass_charges_each_sequence_a_plain_part_and_its_drafts_at_the_margin():
+    costs = SharedPassCost()
+    assert costs.shares({0: 1, 1: 3}) == {0: 0.25, 1: 0.75}  # nothing seen yet: by tokens
+    a, b = 0.008, 0.001
+    for n in [4, 24, 9, 14, 4, 19] * 3:  # passes of a + b*T seconds
+        costs.add(n, a + b * n)
+    assert costs.fit() == pytest.approx((a, b))
+    tokens = {0: 1, 1: 6, 2: 6, 3: 1}  # two plain sequences, two drafting 5 tokens each
+    shares = costs.shares(tokens)
+    pass_s = a + b * sum(tokens.values())
+    assert sum(shares.values()) == pytest.approx(1.0)
+    charged = {s: share * pass_s for s, share in shares.items()}
+    # a plain sequence pays what it would if all were plain, a/N + b; drafts b a token more
+    assert charged[0] == pytest.approx(a / 4 + b) and charged[1] == pytest.approx(a / 4 + b + 5 * b)
+    flat = SharedPassCost()  # a pass that costs the same whatever its size: drafts are free
+    for n in [4, 24, 9, 14]:
+        flat.add(n, 0.01)
+    assert flat.shares(tokens) == pytest.approx({0: 0.25, 1: 0.25, 2: 0.25, 3: 0.25})
 
 
 def test_parallel_runs_several_sequences_per_pass_and_fills_free_slots(pair_perturbed):

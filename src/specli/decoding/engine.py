@@ -438,6 +438,14 @@ class SequenceStep:
         self._proposal = proposal
         return [self.context[-1], *proposal.tokens]
 
+    def book_shared_drafting(self, draft_s: float, token_s: float) -> None:
+        """After plan_steps() drafted in lockstep with other sequences (parallel.plan_all): what
+        this sequence's drafting cost, its share of the shared draft passes included (the wall
+        time of the rounds counts every sequence's), and the cost of one round of it."""
+        self._draft_s = draft_s
+        if self._proposal is not None and self._proposal.token_s is not None:
+            self._proposal.token_s = token_s
+
     def commit(self, rows: np.ndarray, pass_s: float, *, cpu_s: float | None = None, share: float = 1.0) -> Step:
         """Book the pass over plan()'s tokens: `rows` are the target's logits for them, pass_s
         the pass's wall seconds, cpu_s the CPU seconds the process used during it (None: not

@@ -118,22 +118,75 @@ def _forget_untracked(model) -> None:
             pass
 
 
-def verify_all(seqs, plans: dict[int, SequenceStep], requests: dict[int, list[int]]) -> dict[int, Step | Exception]:
+class SharedPassCost:
+    """How a pass shared by several sequences is split among them, for their -n auto policies.
+
+    A pass over T tokens costs about a + b*T: a (reading the weights) whatever T, b per token.
+    Split in proportion to tokens, every sequence would see a linear cost, b + a/T a token,
+    and conclude that drafting never pays, although the passes get fewer and the throughput
+    higher when they draft: each one's drafts are paid by b each, while a is paid once a pass
+    however many tokens are in it. So each sequence is charged an equal part of the pass as
+    it would be with every sequence decoding plain, (a + b*N)/N for N sequences, plus b for
+    each token it adds beyond its own one: what its drafts add to the pass. The charges add up
+    to the pass. a and b are fitted to the passes seen (least squares, recent passes weighing
+    more); until two pass sizes have been seen, the split is by tokens.
+    """
+
+    DECAY = 0.98  # per pass: a pass's weight halves after about 35 more
+
+    def __init__(self):
+        self._w = self._t = self._s = self._tt = self._ts = 0.0
+
+    def add(self, n_tokens: int, pass_s: float) -> None:
+        d = self.DECAY
+        self._w, self._t, self._s = self._w * d + 1, self._t * d + n_tokens, self._s * d + pass_s
+        self._tt, self._ts = self._tt * d + n_tokens * n_tokens, self._ts * d + n_tokens * pass_s
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) of the recent passes, or None while they cannot tell them apart. A pass that
+        costs the same whatever its size (a GPU below its compute limit) gives b = 0: drafts
+        then cost nothing extra, and each sequence pays 1/N."""
+        var = self._tt * self._w - self._t * self._t
+        if self._w < 2 or var <= 1e-9 * self._tt * self._w:
+            return None
+        b = max((self._ts * self._w - self._t * self._s) / var, 0.0)
+        a = max((self._s - b * self._t) / self._w, 0.0)
+        return (a, b) if a + b > 0 else None
+
+    def shares(self, n_tokens: dict[int, int]) -> dict[int, float]:
+        """Each sequence's part of a pass over n_tokens[s] tokens of each (adding up to 1)."""
+        total = sum(n_tokens.values())
+        fit = self.fit()
+        if fit is None:
+            return {s: n / total for s, n in n_tokens.items()}
+        a, b = fit
+        base = (a + b * len(n_tokens)) / len(n_tokens)
+        return {s: (base + b * (n - 1)) / (a + b * total) for s, n in n_tokens.items()}
+
+
+def verify_all(
+    seqs, plans: dict[int, SequenceStep], requests: dict[int, list[int]], costs: SharedPassCost | None = None
+) -> dict[int, Step | Exception]:
     """One target pass over every sequence's planned tokens (`requests`, from plan()) on `seqs`
     (a MultiSequenceContext, or anything with its eval), then each sequence's commit, charged
-    its share of the pass (its tokens / all of them). Per sequence: its Step, or the exception
-    that failed it (a failed pass fails every one)."""
+    its share of the pass (`costs`' split; without it, its tokens / all of them). Per
+    sequence: its Step, or the exception that failed it (a failed pass fails every one)."""
     t_pass, cpu_pass = time.perf_counter(), time.process_time()
     try:
         rows = seqs.eval(requests, logits="all")
     except Exception as err:
         return {s: err for s in requests}
     cpu_s, pass_s = time.process_time() - cpu_pass, time.perf_counter() - t_pass
-    n_pass = sum(len(tokens) for tokens in requests.values())
+    n_tokens = {s: len(tokens) for s, tokens in requests.items()}
+    if costs is None:
+        shares = {s: n / sum(n_tokens.values()) for s, n in n_tokens.items()}
+    else:
+        shares = costs.shares(n_tokens)
+        costs.add(sum(n_tokens.values()), pass_s)
     results: dict[int, Step | Exception] = {}
-    for s, tokens in requests.items():
+    for s in requests:
         try:
-            results[s] = plans[s].commit(rows[s], pass_s, cpu_s=cpu_s, share=len(tokens) / n_pass)
+            results[s] = plans[s].commit(rows[s], pass_s, cpu_s=cpu_s, share=shares[s])
         except Exception as err:
             results[s] = err
     return results
@@ -154,9 +207,8 @@ class ParallelRunner:
     (`model_dft`) draft through their own sequence of a second multi-sequence context on the
     draft model's weights: one draft cache per sequence, every slot's next draft token in one
     pass of it (`plan_all`).
-    With `--draft-max auto` each slot's policy sizes its drafts; a shared pass is charged to each
-    sequence in proportion to the tokens it put into it (an approximation: one sequence's
-    extra drafts widen a pass that the others share).
+    With `--draft-max auto` each slot's policy sizes its drafts; each is charged its part of a
+    shared pass as `SharedPassCost` splits it, and its share of the shared draft passes.
     """
 
     def __init__(
@@ -192,6 +244,7 @@ class ParallelRunner:
             n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
         )  # fmt: skip
         self.views = [SequenceView(self.seqs, s, model_tgt) for s in range(n_seq)]  # each slot's target cache
+        self.pass_costs = SharedPassCost()
 
     def close(self) -> None:
         self.seqs.close()
@@ -240,29 +293,43 @@ class ParallelRunner:
         failed: dict[int, Exception] = {}
         steps: dict[int, Generator] = {}
         pending: dict[int, int] = {}  # sequence -> the draft token its draft model must evaluate
+        # Each sequence's drafting time as its policy must see it: its own work, and its share
+        # of each shared draft pass, not the wall time of every sequence's rounds.
+        first_s: dict[int, float] = {}
+        rounds_s: dict[int, float] = {}
+        n_rounds: dict[int, int] = {}
         for s, seq in seqs.items():
             steps[s] = seq.plan_steps()
+            t0 = time.perf_counter()
             try:
                 pending[s] = next(steps[s])
+                first_s[s], rounds_s[s], n_rounds[s] = time.perf_counter() - t0, 0.0, 0
             except StopIteration as done:
                 requests[s] = done.value
             except Exception as err:
                 failed[s] = err
         while pending:
+            t0 = time.perf_counter()
             try:
                 rows = self.draft_seqs.eval({s: [token] for s, token in pending.items()}, logits="all")
             except Exception as err:
                 for s in pending:
                     failed[s] = err
                 break
+            share = (time.perf_counter() - t0) / len(pending)
             following = {}
             for s in pending:
+                t0 = time.perf_counter()
                 try:
                     following[s] = steps[s].send(rows[s])
                 except StopIteration as done:
                     requests[s] = done.value
                 except Exception as err:
                     failed[s] = err
+                rounds_s[s] += share + time.perf_counter() - t0
+                n_rounds[s] += 1
+                if s in requests:
+                    seqs[s].book_shared_drafting(first_s[s] + rounds_s[s], rounds_s[s] / n_rounds[s])
             pending = following
         return requests, failed
 
@@ -302,7 +369,7 @@ class ParallelRunner:
             yield self._fail(slots, s, err)
         if not requests:
             return
-        results = verify_all(self.seqs, {s: slots[s].seq for s in requests}, requests)
+        results = verify_all(self.seqs, {s: slots[s].seq for s in requests}, requests, self.pass_costs)
         for s in list(active):
             if isinstance(results[s], Exception):
                 active.remove(s)

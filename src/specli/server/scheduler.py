@@ -333,7 +333,7 @@ class Scheduler:
             self._fail(s, err)
         if not requests:
             return
-        results = verify_all(self.seqs, planning, requests)
+        results = verify_all(self.seqs, planning, requests, None if self.runner is None else self.runner.pass_costs)
         if any(not isinstance(result, Exception) for result in results.values()):
             self.counts["passes"] += 1
             self.counts["most_sequences_in_a_pass"] = max(self.counts["most_sequences_in_a_pass"], len(requests))
