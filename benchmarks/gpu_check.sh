@@ -22,6 +22,10 @@
 # script itself is checked (tests/test_gpu.py does, in the normal suite). SPECLI_GPU_CHECK_TINY=1
 # forces the tiny settings on a GPU too; SPECLI_GPU_CHECK_BUILD=1 runs step 1 without a GPU too
 # (a CPU build: to check a bundle); SPECLI_GPU_CMAKE_EXTRA adds CMake flags to the CUDA build.
+# The build is kept in $WORK/venv and reused by a later call (SPECLI_GPU_CHECK_REBUILD=1: not);
+# SPECLI_GPU_CHECK_STEPS=build stops after it. On the device tool, whose calls last at most 10
+# minutes: one call with SPECLI_GPU_CHECK_STEPS=build, then at once (the machine stays warm
+# 30 s) one without.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -58,8 +62,15 @@ else
   echo "mode: cpu (no NVIDIA GPU; the CPU build, tiny settings)" >> "$SUMMARY"
   CMAKE=""
 fi
-if [[ $BUILD == 1 ]]; then
-  VENV="$WORK/venv"
+VENV="$WORK/venv"
+HAS_BUILD=0
+if [[ $BUILD == 1 && "${SPECLI_GPU_CHECK_REBUILD:-0}" != 1 && -x "$VENV/bin/python" ]] \
+   && "$VENV/bin/python" -c 'import sys, llama_cpp; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() or sys.argv[1] == "0" else 1)' "$GPU" 2> /dev/null; then
+  HAS_BUILD=1  # an earlier call's, on a machine still warm
+  say "reusing the build in $VENV (SPECLI_GPU_CHECK_REBUILD=1 builds anew)"
+  PY="$VENV/bin/python"
+fi
+if [[ $BUILD == 1 && $HAS_BUILD == 0 ]]; then
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
   # This environment's packages, behind the venv's own: only llama-cpp-python is installed anew.
@@ -87,6 +98,10 @@ if [[ $BUILD == 1 ]]; then
   PY="$VENV/bin/python"
 fi
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+if [[ "${SPECLI_GPU_CHECK_STEPS:-all}" == build ]]; then
+  say "build only (SPECLI_GPU_CHECK_STEPS=build): the next call on this machine reuses it"
+  exit 0
+fi
 if [[ $GPU == 1 ]]; then
   "$PY" -c 'import llama_cpp, sys; ok = llama_cpp.llama_supports_gpu_offload(); print("gpu offload:", ok); sys.exit(0 if ok else 1)' \
     | tee -a "$SUMMARY" >&2 || { say "the build has no GPU offload: see build.log"; exit 1; }
