@@ -67,7 +67,7 @@ HAS_BUILD=0
 if [[ $BUILD == 1 && "${SPECLI_GPU_CHECK_REBUILD:-0}" != 1 && -x "$VENV/bin/python" ]] \
    && "$VENV/bin/python" -c 'import sys, llama_cpp; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() or sys.argv[1] == "0" else 1)' "$GPU" 2> /dev/null; then
   HAS_BUILD=1  # an earlier call's, on a machine still warm
-  say "reusing the build in $VENV (SPECLI_GPU_CHECK_REBUILD=1 builds anew)"
+  say "reusing the build in $VENV, which took $(cat "$VENV/build-seconds" 2> /dev/null || echo '?') s (SPECLI_GPU_CHECK_REBUILD=1 builds anew)"
   PY="$VENV/bin/python"
 fi
 if [[ $BUILD == 1 && $HAS_BUILD == 0 ]]; then
@@ -81,7 +81,9 @@ if [[ $BUILD == 1 && $HAS_BUILD == 0 ]]; then
   SRC="llama-cpp-python==0.3.36"
   PIP_EXTRA=()
   if [[ -d "$BUNDLE" ]]; then
-    SRC="$(ls "$BUNDLE"/llama_cpp_python-0.3.36*.tar.gz | head -n1)"
+    SDISTS=("$BUNDLE"/llama_cpp_python-0.3.36*.tar.gz)
+    [[ -f "${SDISTS[0]}" ]] || { say "no llama-cpp-python sdist in $BUNDLE: run benchmarks/gpu_bundle.sh"; exit 1; }
+    SRC="${SDISTS[0]}"
     PIP_EXTRA=(--no-index --no-build-isolation)
     if compgen -G "$BUNDLE/*.whl" > /dev/null; then
       "$VENV/bin/pip" install -q --no-index --no-deps "$BUNDLE"/*.whl > "$OUTDIR/wheels.log" 2>&1 \
@@ -92,14 +94,19 @@ if [[ $BUILD == 1 && $HAS_BUILD == 0 ]]; then
   say "building $(basename "$SRC") ${CMAKE:+with $CMAKE }(log: build.log)"
   T0=$(date +%s)
   CMAKE_ARGS="$CMAKE" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "$VENV/bin/pip" install --no-cache-dir --no-deps --force-reinstall -v "${PIP_EXTRA[@]}" "$SRC" \
+    "$VENV/bin/pip" install --no-cache-dir --no-deps --force-reinstall -v ${PIP_EXTRA[@]+"${PIP_EXTRA[@]}"} "$SRC" \
     > "$OUTDIR/build.log" 2>&1 || { say "build FAILED after $(( $(date +%s) - T0 )) s: see build.log"; tail -n 30 "$OUTDIR/build.log" >&2; exit 1; }
   say "build: $(( $(date +%s) - T0 )) s"
+  echo "$(( $(date +%s) - T0 ))" > "$VENV/build-seconds"
   PY="$VENV/bin/python"
 fi
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 if [[ "${SPECLI_GPU_CHECK_STEPS:-all}" == build ]]; then
-  say "build only (SPECLI_GPU_CHECK_STEPS=build): the next call on this machine reuses it"
+  if [[ $BUILD == 1 ]]; then
+    say "build only (SPECLI_GPU_CHECK_STEPS=build): the next call on this machine reuses it"
+  else
+    say "build only (SPECLI_GPU_CHECK_STEPS=build), but nothing to build without a GPU (SPECLI_GPU_CHECK_BUILD=1 builds for the CPU)"
+  fi
   exit 0
 fi
 if [[ $GPU == 1 ]]; then

@@ -373,6 +373,11 @@ def test_a_shared_pass_charges_each_sequence_a_plain_part_and_its_drafts_at_the_
     charged = {s: share * pass_s for s, share in shares.items()}
     # a plain sequence pays what it would if all were plain, a/N + b; drafts b a token more
     assert charged[0] == pytest.approx(a / 4 + b) and charged[1] == pytest.approx(a / 4 + b + 5 * b)
+    steady = SharedPassCost()  # one odd pass among many of one size must not set the slope
+    for _ in range(200):
+        steady.add(8, 0.02)
+    steady.add(9, 0.05)
+    assert steady.fit() is None
     flat = SharedPassCost()  # a pass that costs the same whatever its size: drafts are free
     for n in [4, 24, 9, 14]:
         flat.add(n, 0.01)

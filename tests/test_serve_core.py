@@ -213,6 +213,34 @@ def test_a_long_prompt_goes_in_between_the_other_slots_passes(model):
         scheduler.close()
 
 
+def test_a_long_prompt_goes_into_the_draft_models_cache_a_batch_at_a_time_too(model, pair_perturbed):
+    draft = load(pair_perturbed[1], n_ctx=256)
+    try:
+        long_prompt = " ".join(PROMPTS * 4)
+        decoder = SpeculativeDecoder(model, make_drafter("draft-model", draft), 4, GREEDY)
+        expected = decoder.generate(model.tokenize(long_prompt, add_bos=model.vocab_info().add_bos), max_tokens=10).run().text
+        loaded = Loaded(Plan(model.path, draft.path, "draft-model", 4, GREEDY), model, draft, decoder)
+        scheduler = Scheduler(loaded, n_seq=2, queue_limit=4, n_threads=1, kv_type="f32", flash_attn="off", prefill_batch=8)
+        widest = []
+        original = scheduler.runner.draft_seqs.eval
+        scheduler.runner.draft_seqs.eval = lambda requests, **kw: widest.append(max(map(len, requests.values()))) or original(requests, **kw)
+        scheduler.start()
+        try:
+            c = Collector()
+            scheduler.submit(job_for(model, long_prompt, 10, c))
+            text, done = c.result()
+            assert text == expected
+            assert done.generation.stats.drafted > 0
+            assert max(widest) <= 8  # the prompt went in 8 tokens at a time, no pass wider
+            assert len(widest) >= len(done.generation.prompt_ids) // 8
+        finally:
+            scheduler.stop()
+            scheduler.join(30)
+            scheduler.close()
+    finally:
+        draft.close()
+
+
 def test_the_queue_is_bounded_and_stop_ends_running_and_queued_jobs(model):
     scheduler = Scheduler(loaded_for(model), n_seq=1, queue_limit=1, n_threads=1)
     scheduler.start()

@@ -8,6 +8,8 @@ Every drafter follows one small protocol (after HF transformers' candidate gener
   the judge (decoding/policy) says how many are worth proposing, and for a draft model, token by
   token from its confidence, when to stop (fixed --draft-max: exactly n_max);
 - update(n_drafted, n_accepted): how the target judged the latest proposal.
+Drafters with a model of their own also have propose_steps (the same, a token at a time, for
+lockstep drafting) and prefill (a long prompt into their cache a batch at a time).
 
 Drafters never see logits of the target and cannot change the output: only its speed.
 """
@@ -20,7 +22,7 @@ from typing import Generator, Protocol, Sequence
 
 import numpy as np
 
-from specli.llama.model import LlamaModel
+from specli.llama.model import LlamaModel, common_prefix_len
 from specli.decoding.policy import FIXED, DraftJudge
 from specli.decoding.sampling import GREEDY, Dist, SamplingParams, greedy_choice, penalty_history, sample_from_logits
 
@@ -112,6 +114,17 @@ class DraftModelDrafter:
         self._offset = 0
         self._timed_sync(prompt)
         self._last_call = time.perf_counter()
+
+    def prefill(self, prompt: Sequence[int], budget: int) -> bool:
+        """Put up to `budget` more tokens of the prompt (all but its last) into the draft model's
+        cache, keeping what it holds of it; True once all are in (begin() then evaluates only
+        the last). For a caller that evaluates a long prompt between other sequences' passes."""
+        cache = self.model_dft
+        start = common_prefix_len(cache.cached, prompt[:-1])
+        cache.truncate(start)
+        end = min(len(prompt) - 1, start + budget)
+        cache.eval(prompt[start:end], logits="none")
+        return end == len(prompt) - 1
 
     def _timed_sync(self, view: Sequence[int]) -> tuple[np.ndarray, int]:
         """sync(view) and how many tokens were new to the cache; learns the batch speed from
@@ -382,6 +395,9 @@ class HybridDrafter:
     def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
         self.lookup.begin(prompt, sampling, rng)
         self.draft.begin(prompt, sampling, rng)
+
+    def prefill(self, prompt: Sequence[int], budget: int) -> bool:
+        return self.draft.prefill(prompt, budget)
 
     def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
         return run_steps(self.propose_steps(context, n_max, judge), self.draft.model_dft)

@@ -357,35 +357,38 @@ class SequenceStep:
         self._gap_s: float | None = None  # from the previous step's end to the pending one's start
         self._t_previous: float | None = None  # when the previous step's pass and verification ended
         self._t_gen = 0.0
-        self._prefilled: int | None = None  # how much of the prompt the cache holds, while begin() runs
+        self._t_begin: float | None = None  # when begin() was first called
 
     def begin(self, budget: int | None = None) -> bool:
         """Put the prompt but `last` into the cache (keeping what it already holds of it, such as
-        a chat's history) and start the drafter; True when done.
+        a chat's history), and into a draft model's, and start the drafter; True when done.
 
-        With a budget, each call evaluates at most that many tokens of the prompt, and returns
-        False until the whole prompt is in: a server evaluates a long prompt between the other
-        sequences' passes. A budget that is a multiple of the cache's batch size gives the very
-        batches of one call."""
+        With a budget, each call evaluates at most that many tokens of the prompt (the target's
+        cache first, then the draft model's), and returns False until the whole prompt is in: a
+        server evaluates a long prompt between the other sequences' passes. A budget that is a
+        multiple of the cache's batch size gives the very batches of one call. prompt_s is then
+        the wall time from the first call to the last, the other sequences' passes included."""
         gen, cache, context = self.gen, self.cache, self.context
-        t0 = time.perf_counter()
-        if self._prefilled is None:
+        if self._t_begin is None:
+            self._t_begin = time.perf_counter()
             reused = common_prefix_len(cache.cached, context[:-1])
             cache.truncate(reused)
-            self._prefilled = gen.stats.prompt_reused = reused
+            gen.stats.prompt_reused = reused
             gen.stats.prompt_tokens = len(context)
-            gen.stats.prompt_s = 0.0
-        end = len(context) - 1 if budget is None else min(len(context) - 1, self._prefilled + budget)
-        cache.eval(context[self._prefilled : end], logits="none")
-        self._prefilled = end
+        start = len(cache.cached)  # (what a failed call left in it counts: `cached` says what is there)
+        end = len(context) - 1 if budget is None else min(len(context) - 1, start + budget)
+        cache.eval(context[start:end], logits="none")
         if end < len(context) - 1:
-            gen.stats.prompt_s += time.perf_counter() - t0
+            return False
+        drafter = self.decoder.drafter
+        prefill = getattr(drafter, "prefill", None)  # (drafters with a cache of their own)
+        if budget is not None and prefill is not None and not prefill(context, budget):
             return False
         self.rng = make_rng(gen.seed)
-        if self.decoder.drafter is not None:
-            self.decoder.drafter.begin(context, self.decoder.sampling, self.rng)
-        gen.stats.prompt_s += time.perf_counter() - t0
+        if drafter is not None:
+            drafter.begin(context, self.decoder.sampling, self.rng)
         self._t_gen = time.perf_counter()
+        gen.stats.prompt_s = self._t_gen - self._t_begin
         return True
 
     def ended(self) -> bool:
@@ -449,8 +452,8 @@ class SequenceStep:
     def commit(self, rows: np.ndarray, pass_s: float, *, cpu_s: float | None = None, share: float = 1.0) -> Step:
         """Book the pass over plan()'s tokens: `rows` are the target's logits for them, pass_s
         the pass's wall seconds, cpu_s the CPU seconds the process used during it (None: not
-        measured), share this sequence's part of a pass shared with others (its tokens / all the
-        pass's tokens), which the policy is charged. Returns the Step event."""
+        measured), share this sequence's part of a pass shared with others (parallel.py's
+        SharedPassCost), which the policy is charged. Returns the Step event."""
         t_commit = time.perf_counter()
         decoder, gen, context, proposal = self.decoder, self.gen, self.context, self._proposal
         assert proposal is not None, "commit() follows plan()"

@@ -129,10 +129,11 @@ class SharedPassCost:
     it would be with every sequence decoding plain, (a + b*N)/N for N sequences, plus b for
     each token it adds beyond its own one: what its drafts add to the pass. The charges add up
     to the pass. a and b are fitted to the passes seen (least squares, recent passes weighing
-    more); until two pass sizes have been seen, the split is by tokens.
+    more); until the passes' sizes vary enough, the split is by tokens.
     """
 
     DECAY = 0.98  # per pass: a pass's weight halves after about 35 more
+    MIN_SPREAD = 0.5  # tokens: the standard deviation of pass sizes a fit needs
 
     def __init__(self):
         self._w = self._t = self._s = self._tt = self._ts = 0.0
@@ -143,14 +144,20 @@ class SharedPassCost:
         self._tt, self._ts = self._tt * d + n_tokens * n_tokens, self._ts * d + n_tokens * pass_s
 
     def fit(self) -> tuple[float, float] | None:
-        """(a, b) of the recent passes, or None while they cannot tell them apart. A pass that
-        costs the same whatever its size (a GPU below its compute limit) gives b = 0: drafts
-        then cost nothing extra, and each sequence pays 1/N."""
-        var = self._tt * self._w - self._t * self._t
-        if self._w < 2 or var <= 1e-9 * self._tt * self._w:
+        """(a, b) of the recent passes, or None while their sizes hardly vary (a spread of
+        under half a token: one odd pass must not set the slope). A pass that costs the same
+        whatever its size (a GPU below its compute limit) gives b = 0: drafts then cost nothing
+        extra, and each sequence pays 1/N."""
+        w, t, s, tt, ts = self._w, self._t, self._s, self._tt, self._ts
+        var = tt * w - t * t
+        if w < 2 or var < self.MIN_SPREAD**2 * w * w:
             return None
-        b = max((self._ts * self._w - self._t * self._s) / var, 0.0)
-        a = max((self._s - b * self._t) / self._w, 0.0)
+        b = (ts * w - t * s) / var
+        a = (s - b * t) / w
+        if b < 0:
+            a, b = s / w, 0.0
+        elif a < 0:
+            a, b = 0.0, ts / tt
         return (a, b) if a + b > 0 else None
 
     def shares(self, n_tokens: dict[int, int]) -> dict[int, float]:
@@ -220,14 +227,14 @@ class ParallelRunner:
         runner never evaluates through; the commands do, tests comparing with them do not."""
         self.model_tgt, self.describe = model_tgt, describe
         self.n_ctx = model_tgt.n_ctx  # per sequence, as for `run`
+        if mode in WITH_DRAFT_MODEL and model_dft is None:
+            raise ValueError(f"drafting mode {mode!r} needs a draft model")
         if release_models:
             model_tgt.release_context()
-            if mode in WITH_DRAFT_MODEL and model_dft is not None:
+            if mode in WITH_DRAFT_MODEL:
                 model_dft.release_context()
         self.draft_seqs = None
         if mode in WITH_DRAFT_MODEL:
-            if model_dft is None:
-                raise ValueError(f"drafting mode {mode!r} needs a draft model")
             self.draft_seqs = MultiSequenceContext(
                 model_dft, n_seq=n_seq, n_ctx_per_seq=self.n_ctx, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
             )  # fmt: skip

@@ -10,9 +10,9 @@ token is drawn from the residual normalize(max(0, p_i - q_i)) and the step ends;
 accepted a bonus token is drawn from p_k. Every emitted token is then distributed exactly as if the
 target had sampled it alone, whatever q is: the draft only changes the speed.
 
-Both p and q must come from `probabilities()`, the one transformation from logits to a sampling
-distribution (llama.cpp's default sampler chain), so that "the target sampling alone" means the
-same thing as sampling with llama.cpp.
+Both p and q must come from `distribution()` (or its dense form, `probabilities()`), the one
+transformation from logits to a sampling distribution (llama.cpp's default sampler chain), so
+that "the target sampling alone" means the same thing as sampling with llama.cpp.
 """
 
 from __future__ import annotations
@@ -145,6 +145,8 @@ class Dist:
         return np.where(self.ids[pos] == tokens, self.probs[pos], 0.0)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if copy is False:
+            raise ValueError("a Dist has no dense row to share: its dense form is always a new array")
         dense = np.zeros(self.n_vocab, dtype=np.float64)
         dense[self.ids] = self.probs
         return dense if dtype is None else dense.astype(dtype)
@@ -275,8 +277,9 @@ def _min_p_first(row: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, n
     softmax over all k (or V) survivors of top-k; but the result is C itself whenever C less
     its last token holds under top_p of even C's own mass (a lower bound of that softmax's
     total): then top-p's prefix reaches C's end. The margin keeps float rounding (~1e-15) of
-    the full computation from deciding otherwise; near it, and for NaN rows or flat rows with
-    thousands of candidates, the stages run in order.
+    the full computation from deciding otherwise. Otherwise `_top_k_near` decides most rows;
+    where it cannot, and for NaN rows or flat rows with thousands of candidates, the stages
+    run in order.
     """
     if row.dtype.kind != "f":
         return None
@@ -500,7 +503,7 @@ def sample_from_logits(
 
 # --- verification ---------------------------------------------------------------------------
 def verify_sampled(
-    p_rows: Sequence[np.ndarray], q_rows: Sequence[np.ndarray] | None, draft: Sequence[int], rng: np.random.Generator
+    p_rows: Sequence[np.ndarray | Dist], q_rows: Sequence[np.ndarray | Dist] | None, draft: Sequence[int], rng: np.random.Generator
 ) -> Verdict:
     """Speculative sampling's accept/reject step: accepted drafts + one token from the target.
 
@@ -516,12 +519,13 @@ def verify_sampled(
     assert q_rows is None or len(q_rows) == k, (len(q_rows), k)
     for i, x in enumerate(draft):
         x = int(x)
-        p_x = float(p_rows[i][x])  # rows are read in order and only up to the first rejection,
-        q_x = 1.0 if q_rows is None else float(q_rows[i][x])  # so p_rows may compute them lazily
+        p_i = p_rows[i]  # rows are read in order, once, and only up to the first rejection,
+        p_x = float(p_i[x])  # so p_rows may compute them lazily
+        q_x = 1.0 if q_rows is None else float(q_rows[i][x])
         # accept with probability min(1, p/q): u < p/q, written u*q < p so that q = 0 cannot divide
         if rng.random() * q_x < p_x:
             continue
-        residual = _residual(p_rows[i], None if q_rows is None else q_rows[i], x)
+        residual = _residual(p_i, None if q_rows is None else q_rows[i], x)
         return Verdict(i, [int(t) for t in draft[:i]] + [sample(residual, rng)])
     return Verdict(k, [int(t) for t in draft] + [sample(p_rows[k], rng)])
 

@@ -7,7 +7,9 @@
 - mean_tokens_per_pass = generated tokens / target passes (1.0 = no gain from drafting;
   equals 1 + accepted/passes when no step was cut short by a stop token).
 - tokens_per_s = generated tokens / generation time (prompt processing excluded).
-- prompt_s: time to put the prompt into the target's (and the draft model's) cache.
+- prompt_s: time to put the prompt into the target's (and the draft model's) cache; in `serve`
+  with several slots, from the first of its batches to the last, the other slots' passes between
+  them included.
 - prompt_reused: prompt tokens already in the target's cache from an earlier generation (a chat's
   history), so not evaluated again; prompt_tokens - prompt_reused were evaluated.
 - draft_s: time spent proposing drafts; verify_s: time in target passes and verification.

@@ -292,6 +292,7 @@ class LlamaModel:
         del self.cached[n_keep:]
 
     def _remove_from(self, pos: int) -> None:
+        assert self._ctx, "internal: this model's own context was released"
         if not llama_cpp.llama_memory_seq_rm(self._memory, 0, pos, -1):
             raise SpecliError(
                 f"llama.cpp cannot remove cache entries from position {pos} for {self.path.name} "
@@ -322,6 +323,7 @@ class LlamaModel:
         caller that evaluates only through other contexts on them (MultiSequenceContext): on a
         GPU the unused cache would hold memory those need. Evaluating afterwards is a bug."""
         free_context(self)
+        self._memory = None
         self.cached.clear()
         self._tail_logits = None
 

@@ -71,6 +71,9 @@ class QueueFull(Exception):
     pass
 
 
+SHUTTING_DOWN = "the server is shutting down; send the request again once it is back"
+
+
 class ShuttingDown(Exception):
     pass
 
@@ -262,8 +265,9 @@ class Scheduler:
             self._fail(s, err)
 
     def _prefill(self) -> None:
-        """One batch of each new slot's prompt: a long prompt goes in between the other slots'
-        passes instead of holding them up (in whole batches, so in `run`'s very batches)."""
+        """One batch of each new slot's prompt, into the target's cache and then the draft
+        model's: a long prompt goes in between the other slots' passes instead of holding them
+        up (in whole batches, so in `run`'s very batches)."""
         for s, slot in enumerate(self.slots):
             if slot.job is not None and not slot.ready:
                 try:
@@ -353,14 +357,17 @@ class Scheduler:
         with self._cond:
             pending, self._pending = list(self._pending), collections.deque()
         for job in pending:
-            _emit(job, Failed("the server is shutting down; send the request again once it is back", 503))
+            _emit(job, Failed(SHUTTING_DOWN, 503))
         for s in self._active():
             slot = self.slots[s]
-            if slot.seq is not None and not slot.job.cancelled:
+            if slot.seq is not None and slot.ready and not slot.job.cancelled:
                 slot.seq.gen.interrupt()
                 self._finish(s)
-            else:
+            else:  # (its prompt not yet in: nothing to send but what a queued request gets)
+                job = slot.job
                 self._free(s)
+                if not job.cancelled:
+                    _emit(job, Failed(SHUTTING_DOWN, 503))
 
 
 def _emit(job: Job, event: Event) -> None:
