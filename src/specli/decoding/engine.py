@@ -320,8 +320,7 @@ class SpeculativeDecoder:
         """Greedy: exact match against the argmax. Sampling: rejection sampling against p."""
         if self.sampling.greedy:
             if penalty_history(self.sampling, context):  # the penalty changes the argmax
-                rows = [penalized_row(logits_tgt[i], self.sampling, context, proposal.tokens[:i]) for i in range(len(logits_tgt))]
-                logits_tgt = np.stack(rows)
+                return verify_greedy(TargetRows(logits_tgt, self.sampling, context, proposal.tokens, row=penalized_row), proposal.tokens)
             return verify_greedy(logits_tgt, proposal.tokens)
         p_rows = TargetRows(logits_tgt, self.sampling, context, proposal.tokens)
         return verify_sampled(p_rows, proposal.q_rows, proposal.tokens, rng)
@@ -486,21 +485,24 @@ class SequenceStep:
 
 
 class TargetRows:
-    """The target's distributions p for each position of a pass, computed only when read.
+    """The target's rows for each position of a pass, computed only when read: its
+    distributions p (`row=distribution`, for rejection sampling), or its logits after the
+    repetition penalty (`row=penalized_row`, for greedy verification).
 
     Row i is for the token after context + draft[:i]; its repetition penalty sees exactly that
-    history, as plain decoding would have. Rejection stops at the first rejected draft, so later
-    rows are usually never computed.
+    history, as plain decoding would have. Verification stops at the first rejected draft, so
+    later rows are usually never computed.
     """
 
-    def __init__(self, logits_tgt: np.ndarray, sampling: SamplingParams, context: list[int], draft: list[int]):
+    def __init__(self, logits_tgt: np.ndarray, sampling: SamplingParams, context: list[int], draft: list[int], row=distribution):
         self._logits = logits_tgt
         self._sampling = sampling
         self._context = context
         self._draft = draft
+        self._row = row  # (logits, sampling, history) -> the row
 
     def __len__(self) -> int:
         return len(self._draft) + 1
 
-    def __getitem__(self, i: int) -> Dist:
-        return distribution(self._logits[i], self._sampling, penalty_history(self._sampling, self._context, self._draft[:i]))
+    def __getitem__(self, i: int) -> Dist | np.ndarray:
+        return self._row(self._logits[i], self._sampling, penalty_history(self._sampling, self._context, self._draft[:i]))

@@ -27,13 +27,14 @@ class Verdict:
     tokens: list[int]
 
 
-def verify_greedy(logits_tgt: np.ndarray, draft: Sequence[int]) -> Verdict:
+def verify_greedy(logits_tgt: np.ndarray | Sequence[np.ndarray], draft: Sequence[int]) -> Verdict:
     """Longest agreeing prefix of `draft` under the target's argmax, plus the target's token.
 
-    Needs logits_tgt of shape (len(draft) + 1, n_vocab).
+    Needs logits_tgt: len(draft) + 1 rows of n_vocab (an array, or any sequence of rows, which
+    may compute them when read).
     """
     k = len(draft)
-    assert logits_tgt.shape[0] == k + 1, (logits_tgt.shape, k)
+    assert len(logits_tgt) == k + 1, (len(logits_tgt), k)
     # Row by row up to the first disagreement: rows after it are never read (an argmax over
     # a 262k-token row is ~20 us of host time a row).
     n_accepted = 0
