@@ -3,6 +3,7 @@ scheduler's slots on the synthetic F32 pair (no HTTP, no threads but the schedul
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue as queue_module
 
@@ -110,6 +111,18 @@ class Collector:
                 return "".join(text), event
 
 
+@contextlib.contextmanager
+def running(scheduler: Scheduler):
+    """The scheduler's thread for the with-block; then stopped, joined and closed."""
+    scheduler.start()
+    try:
+        yield scheduler
+    finally:
+        scheduler.stop()
+        scheduler.join(30)
+        scheduler.close()
+
+
 def loaded_for(model, mode="lookup", n_draft=4, sampling=GREEDY) -> Loaded:
     decoder = SpeculativeDecoder(model, make_drafter(mode), n_draft, sampling)
     return Loaded(Plan(model.path, None, mode, n_draft, sampling), model, None, decoder)
@@ -126,6 +139,29 @@ def model(pair_perturbed):
     m.close()
 
 
+@pytest.fixture
+def draft(pair_perturbed):
+    m = load(pair_perturbed[1], n_ctx=256)
+    yield m
+    m.close()
+
+
+def draft_scheduler(model, draft, spy, **kw) -> Scheduler:
+    """A scheduler drafting with the draft model, greedy, N = 4, F32 numerics; spy(requests)
+    sees every pass of the slots' draft-model context."""
+    decoder = SpeculativeDecoder(model, make_drafter("draft-model", draft), 4, GREEDY)
+    loaded = Loaded(Plan(model.path, draft.path, "draft-model", 4, GREEDY), model, draft, decoder)
+    scheduler = Scheduler(loaded, queue_limit=16, n_threads=1, kv_type="f32", flash_attn="off", **kw)
+    original = scheduler.runner.draft_seqs.eval
+    scheduler.runner.draft_seqs.eval = lambda requests, **kw: spy(requests) or original(requests, **kw)
+    return scheduler
+
+
+def sequential_draft(model, draft, prompt, max_tokens) -> str:
+    decoder = SpeculativeDecoder(model, make_drafter("draft-model", draft), 4, GREEDY)
+    return decoder.generate(model.tokenize(prompt, add_bos=model.vocab_info().add_bos), max_tokens=max_tokens).run().text
+
+
 def sequential(model, prompt, max_tokens, mode="lookup"):
     decoder = SpeculativeDecoder(model, make_drafter(mode), 4, GREEDY)
     ids = model.tokenize(prompt, add_bos=model.vocab_info().add_bos)
@@ -137,8 +173,7 @@ def test_jobs_in_slots_give_what_one_generation_gives(model, n_seq):
     """F32 numerics: a shared pass gives a single pass's logits, so every text matches exactly."""
     expected = [sequential(model, p, 12 + 7 * i) for i, p in enumerate(PROMPTS)]
     scheduler = Scheduler(loaded_for(model), n_seq=n_seq, queue_limit=16, n_threads=1, kv_type="f32", flash_attn="off")
-    scheduler.start()
-    try:
+    with running(scheduler):
         collectors = [Collector() for _ in PROMPTS]
         for i, (p, c) in enumerate(zip(PROMPTS, collectors)):
             scheduler.submit(job_for(model, p, 12 + 7 * i, c))
@@ -148,16 +183,11 @@ def test_jobs_in_slots_give_what_one_generation_gives(model, n_seq):
         health = scheduler.health()
         assert health["completed"] == len(PROMPTS) and health["slots_idle"] == n_seq
         assert health["most_sequences_in_a_pass"] == n_seq  # jobs were verified together
-    finally:
-        scheduler.stop()
-        scheduler.join(30)
-        scheduler.close()
 
 
 def test_cancel_frees_the_slot_and_a_resent_conversation_reuses_its_cache(model):
     scheduler = Scheduler(loaded_for(model), n_seq=2, queue_limit=4, n_threads=1, kv_type="f32", flash_attn="off")
-    scheduler.start()
-    try:
+    with running(scheduler):
         long = Collector()
         job = job_for(model, PROMPTS[4], 200, long)  # (runs to max_tokens on this fixture)
         scheduler.submit(job)
@@ -176,10 +206,6 @@ def test_cancel_frees_the_slot_and_a_resent_conversation_reuses_its_cache(model)
         _, done_again = again.result()
         assert done_again.slot == done.slot
         assert done_again.generation.stats.prompt_reused >= len(done.generation.prompt_ids)
-    finally:
-        scheduler.stop()
-        scheduler.join(30)
-        scheduler.close()
 
 
 def test_a_long_prompt_goes_in_between_the_other_slots_passes(model):
@@ -189,8 +215,7 @@ def test_a_long_prompt_goes_in_between_the_other_slots_passes(model):
     long_prompt = " ".join(PROMPTS * 4)  # ~100 tokens: 13 batches of 8
     expected = sequential(model, long_prompt, 10)
     scheduler = Scheduler(loaded_for(model), n_seq=2, queue_limit=4, n_threads=1, kv_type="f32", flash_attn="off", prefill_batch=8)
-    scheduler.start()
-    try:
+    with running(scheduler):
         scheduler.submit(job_for(model, PROMPTS[4], 200, lambda event: log.put(("running", event))))
         assert log.get(timeout=60)[0] == "running"  # it generates
         scheduler.submit(job_for(model, long_prompt, 10, lambda event: log.put(("new", event))))
@@ -207,67 +232,44 @@ def test_a_long_prompt_goes_in_between_the_other_slots_passes(model):
         assert "".join(text) == expected  # whole batches: the numerics of one evaluation
         assert event.generation.stats.prompt_tokens == len(model.tokenize(long_prompt, add_bos=model.vocab_info().add_bos))
         assert between >= 10  # the running slot went on while the prompt went in
-    finally:
-        scheduler.stop()
-        scheduler.join(30)
-        scheduler.close()
 
 
-def test_a_long_prompt_goes_into_the_draft_models_cache_a_batch_at_a_time_too(model, pair_perturbed):
-    draft = load(pair_perturbed[1], n_ctx=256)
-    try:
-        long_prompt = " ".join(PROMPTS * 4)
-        decoder = SpeculativeDecoder(model, make_drafter("draft-model", draft), 4, GREEDY)
-        expected = decoder.generate(model.tokenize(long_prompt, add_bos=model.vocab_info().add_bos), max_tokens=10).run().text
-        loaded = Loaded(Plan(model.path, draft.path, "draft-model", 4, GREEDY), model, draft, decoder)
-        scheduler = Scheduler(loaded, n_seq=2, queue_limit=4, n_threads=1, kv_type="f32", flash_attn="off", prefill_batch=8)
-        widest = []
-        original = scheduler.runner.draft_seqs.eval
-        scheduler.runner.draft_seqs.eval = lambda requests, **kw: widest.append(max(map(len, requests.values()))) or original(requests, **kw)
-        scheduler.start()
-        try:
-            c = Collector()
-            scheduler.submit(job_for(model, long_prompt, 10, c))
-            text, done = c.result()
-            assert text == expected
-            assert done.generation.stats.drafted > 0
-            assert max(widest) <= 8  # the prompt went in 8 tokens at a time, no pass wider
-            assert len(widest) >= len(done.generation.prompt_ids) // 8
-        finally:
-            scheduler.stop()
-            scheduler.join(30)
-            scheduler.close()
-    finally:
-        draft.close()
+def test_a_long_prompt_goes_into_the_draft_models_cache_a_batch_at_a_time_too(model, draft):
+    long_prompt = " ".join(PROMPTS * 4)
+    expected = sequential_draft(model, draft, long_prompt, 10)
+    widest = []
+    scheduler = draft_scheduler(model, draft, lambda requests: widest.append(max(map(len, requests.values()))), n_seq=2, prefill_batch=8)
+    with running(scheduler):
+        c = Collector()
+        scheduler.submit(job_for(model, long_prompt, 10, c))
+        text, done = c.result()
+        assert text == expected
+        assert done.generation.stats.drafted > 0
+        assert max(widest) <= 8  # the prompt went in 8 tokens at a time, no pass wider
+        assert len(widest) >= len(done.generation.prompt_ids) // 8
 
 
 def test_the_queue_is_bounded_and_stop_ends_running_and_queued_jobs(model):
     scheduler = Scheduler(loaded_for(model), n_seq=1, queue_limit=1, n_threads=1)
-    scheduler.start()
-    try:
-        running, queued = Collector(), Collector()
-        scheduler.submit(job_for(model, PROMPTS[4], 240, running))
-        assert isinstance(running.events.get(timeout=60), Delta)
+    with running(scheduler):
+        generating, queued = Collector(), Collector()
+        scheduler.submit(job_for(model, PROMPTS[4], 240, generating))
+        assert isinstance(generating.events.get(timeout=60), Delta)
         scheduler.submit(job_for(model, PROMPTS[1], 10, queued))
         with pytest.raises(QueueFull):
             scheduler.submit(job_for(model, PROMPTS[2], 10, Collector()))
         scheduler.stop()
-        text, done = running.result()
+        text, done = generating.result()
         assert done.generation.stop_reason == STOP_INTERRUPTED and 0 < len(done.generation.token_ids) < 240
         failed = queued.result()
         assert isinstance(failed, Failed) and failed.status == 503
         with pytest.raises(ShuttingDown):
             scheduler.submit(job_for(model, PROMPTS[2], 10, Collector()))
-    finally:
-        scheduler.stop()
-        scheduler.join(30)
-        scheduler.close()
 
 
 def test_a_job_that_fails_is_answered_and_the_loop_goes_on(model):
     scheduler = Scheduler(loaded_for(model), n_seq=1, queue_limit=4, n_threads=1)
-    scheduler.start()
-    try:
+    with running(scheduler):
         too_long = Collector()
         scheduler.submit(Job([1] * 300, 5, GREEDY, emit=too_long))  # longer than the 256-token context
         failed = too_long.result()
@@ -276,17 +278,12 @@ def test_a_job_that_fails_is_answered_and_the_loop_goes_on(model):
         scheduler.submit(job_for(model, PROMPTS[0], 5, ok))
         assert ok.result()[1].generation.stop_reason == "max_tokens"
         assert scheduler.health()["failed"] == 1
-    finally:
-        scheduler.stop()
-        scheduler.join(30)
-        scheduler.close()
 
 
 def test_sampled_jobs_replay_with_their_seed(model):
     sampling = SamplingParams(temperature=0.9)
     scheduler = Scheduler(loaded_for(model, n_draft=3, sampling=sampling), n_seq=1, queue_limit=4, n_threads=1)
-    scheduler.start()
-    try:
+    with running(scheduler):
         texts = []
         for _ in range(2):
             c = Collector()
@@ -295,10 +292,6 @@ def test_sampled_jobs_replay_with_their_seed(model):
             assert done.generation.seed == 5
             texts.append(text)
         assert texts[0] == texts[1]
-    finally:
-        scheduler.stop()
-        scheduler.join(30)
-        scheduler.close()
 
 
 def test_the_rest_of_specli_imports_and_runs_without_the_server_extra():
@@ -353,34 +346,17 @@ def test_a_loop_that_dies_answers_every_waiting_request(model, monkeypatch):
         scheduler.close()
 
 
-def test_slots_with_a_draft_model_draft_in_lockstep_and_give_one_generations_text(model, pair_perturbed):
+def test_slots_with_a_draft_model_draft_in_lockstep_and_give_one_generations_text(model, draft):
     """Each round of drafting evaluates every slot's next draft token in one pass of the draft
     model's context (parallel.py's plan_all); the texts stay a single generation's."""
-    draft = load(pair_perturbed[1], n_ctx=256)
-    try:
-        def sequential_draft(prompt, n):
-            decoder = SpeculativeDecoder(model, make_drafter("draft-model", draft), 4, GREEDY)
-            return decoder.generate(model.tokenize(prompt, add_bos=model.vocab_info().add_bos), max_tokens=n).run().text
-
-        expected = [sequential_draft(p, 10 + 6 * i) for i, p in enumerate(PROMPTS)]
-        decoder = SpeculativeDecoder(model, make_drafter("draft-model", draft), 4, GREEDY)
-        loaded = Loaded(Plan(model.path, draft.path, "draft-model", 4, GREEDY), model, draft, decoder)
-        scheduler = Scheduler(loaded, n_seq=3, queue_limit=16, n_threads=1, kv_type="f32", flash_attn="off")
-        calls = []
-        original = scheduler.runner.draft_seqs.eval
-        scheduler.runner.draft_seqs.eval = lambda requests, **kw: calls.append(len(requests)) or original(requests, **kw)
-        scheduler.start()
-        try:
-            collectors = [Collector() for _ in PROMPTS]
-            for i, (p, c) in enumerate(zip(PROMPTS, collectors)):
-                scheduler.submit(job_for(model, p, 10 + 6 * i, c))
-            results = [c.result() for c in collectors]
-            assert [text for text, _ in results] == expected
-            assert sum(done.generation.stats.drafted for _, done in results) > 0
-            assert max(calls) >= 2  # some draft passes served several slots at once
-        finally:
-            scheduler.stop()
-            scheduler.join(30)
-            scheduler.close()
-    finally:
-        draft.close()
+    expected = [sequential_draft(model, draft, p, 10 + 6 * i) for i, p in enumerate(PROMPTS)]
+    calls = []
+    scheduler = draft_scheduler(model, draft, lambda requests: calls.append(len(requests)), n_seq=3)
+    with running(scheduler):
+        collectors = [Collector() for _ in PROMPTS]
+        for i, (p, c) in enumerate(zip(PROMPTS, collectors)):
+            scheduler.submit(job_for(model, p, 10 + 6 * i, c))
+        results = [c.result() for c in collectors]
+        assert [text for text, _ in results] == expected
+        assert sum(done.generation.stats.drafted for _, done in results) > 0
+        assert max(calls) >= 2  # some draft passes served several slots at once
