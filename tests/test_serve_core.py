@@ -157,15 +157,21 @@ def draft_scheduler(model, draft, spy, **kw) -> Scheduler:
     return scheduler
 
 
-def sequential_draft(model, draft, prompt, max_tokens) -> str:
-    decoder = SpeculativeDecoder(model, make_drafter("draft-model", draft), 4, GREEDY)
-    return decoder.generate(model.tokenize(prompt, add_bos=model.vocab_info().add_bos), max_tokens=max_tokens).run().text
 
 
-def sequential(model, prompt, max_tokens, mode="lookup"):
-    decoder = SpeculativeDecoder(model, make_drafter(mode), 4, GREEDY)
+def sequential(model, prompt, max_tokens, mode="lookup", draft=None):
+    """The text of one generation on its own (greedy, N = 4)."""
+    decoder = SpeculativeDecoder(model, make_drafter(mode, draft), 4, GREEDY)
     ids = model.tokenize(prompt, add_bos=model.vocab_info().add_bos)
     return decoder.generate(ids, max_tokens=max_tokens).run().text
+
+
+def submit_all(scheduler, model, max_tokens: list[int]) -> list:
+    """PROMPTS[i] with max_tokens[i] each, submitted at once; their (text, Done) in order."""
+    collectors = [Collector() for _ in PROMPTS]
+    for p, n, c in zip(PROMPTS, max_tokens, collectors):
+        scheduler.submit(job_for(model, p, n, c))
+    return [c.result() for c in collectors]
 
 
 @pytest.mark.parametrize("n_seq", [1, 3])
@@ -174,10 +180,7 @@ def test_jobs_in_slots_give_what_one_generation_gives(model, n_seq):
     expected = [sequential(model, p, 12 + 7 * i) for i, p in enumerate(PROMPTS)]
     scheduler = Scheduler(loaded_for(model), n_seq=n_seq, queue_limit=16, n_threads=1, kv_type="f32", flash_attn="off")
     with running(scheduler):
-        collectors = [Collector() for _ in PROMPTS]
-        for i, (p, c) in enumerate(zip(PROMPTS, collectors)):
-            scheduler.submit(job_for(model, p, 12 + 7 * i, c))
-        results = [c.result() for c in collectors]
+        results = submit_all(scheduler, model, [12 + 7 * i for i in range(len(PROMPTS))])
         assert [text for text, _ in results] == expected
         assert all(done.generation.text == text for text, done in results)
         health = scheduler.health()
@@ -236,7 +239,7 @@ def test_a_long_prompt_goes_in_between_the_other_slots_passes(model):
 
 def test_a_long_prompt_goes_into_the_draft_models_cache_a_batch_at_a_time_too(model, draft):
     long_prompt = " ".join(PROMPTS * 4)
-    expected = sequential_draft(model, draft, long_prompt, 10)
+    expected = sequential(model, long_prompt, 10, "draft-model", draft)
     widest = []
     scheduler = draft_scheduler(model, draft, lambda requests: widest.append(max(map(len, requests.values()))), n_seq=2, prefill_batch=8)
     with running(scheduler):
@@ -349,14 +352,11 @@ def test_a_loop_that_dies_answers_every_waiting_request(model, monkeypatch):
 def test_slots_with_a_draft_model_draft_in_lockstep_and_give_one_generations_text(model, draft):
     """Each round of drafting evaluates every slot's next draft token in one pass of the draft
     model's context (parallel.py's plan_all); the texts stay a single generation's."""
-    expected = [sequential_draft(model, draft, p, 10 + 6 * i) for i, p in enumerate(PROMPTS)]
+    expected = [sequential(model, p, 10 + 6 * i, "draft-model", draft) for i, p in enumerate(PROMPTS)]
     calls = []
     scheduler = draft_scheduler(model, draft, lambda requests: calls.append(len(requests)), n_seq=3)
     with running(scheduler):
-        collectors = [Collector() for _ in PROMPTS]
-        for i, (p, c) in enumerate(zip(PROMPTS, collectors)):
-            scheduler.submit(job_for(model, p, 10 + 6 * i, c))
-        results = [c.result() for c in collectors]
+        results = submit_all(scheduler, model, [10 + 6 * i for i in range(len(PROMPTS))])
         assert [text for text, _ in results] == expected
         assert sum(done.generation.stats.drafted for _, done in results) > 0
         assert max(calls) >= 2  # some draft passes served several slots at once

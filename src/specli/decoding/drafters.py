@@ -22,7 +22,7 @@ from typing import Generator, Protocol, Sequence
 
 import numpy as np
 
-from specli.llama.model import LlamaModel, common_prefix_len
+from specli.llama.model import LlamaModel, fill_cache
 from specli.decoding.policy import FIXED, DraftJudge
 from specli.decoding.sampling import GREEDY, Dist, SamplingParams, greedy_choice, penalty_history, sample_from_logits
 
@@ -119,12 +119,7 @@ class DraftModelDrafter:
         """Put up to `budget` more tokens of the prompt (all but its last) into the draft model's
         cache, keeping what it holds of it; True once all are in (begin() then evaluates only
         the last). For a caller that evaluates a long prompt between other sequences' passes."""
-        cache = self.model_dft
-        start = common_prefix_len(cache.cached, prompt[:-1])
-        cache.truncate(start)
-        end = min(len(prompt) - 1, start + budget)
-        cache.eval(prompt[start:end], logits="none")
-        return end == len(prompt) - 1
+        return fill_cache(self.model_dft, prompt[:-1], budget)
 
     def _timed_sync(self, view: Sequence[int]) -> tuple[np.ndarray, int]:
         """sync(view) and how many tokens were new to the cache; learns the batch speed from

@@ -30,7 +30,7 @@ import numpy as np
 from specli.decoding.drafters import Drafter, Proposal
 from specli.errors import SettingError, UsageError
 from specli.llama.context import SequenceView
-from specli.llama.model import LlamaModel, common_prefix_len
+from specli.llama.model import LlamaModel, common_prefix_len, fill_cache
 from specli.decoding.policy import FIXED, AdaptivePolicy, DraftJudge, StepReport
 from specli.decoding.sampling import GREEDY, Dist, SamplingParams, distribution, make_rng, penalized_row, penalty_history, verify_sampled
 from specli.decoding.stats import Stats
@@ -370,14 +370,9 @@ class SequenceStep:
         gen, cache, context = self.gen, self.cache, self.context
         if self._t_begin is None:
             self._t_begin = time.perf_counter()
-            reused = common_prefix_len(cache.cached, context[:-1])
-            cache.truncate(reused)
-            gen.stats.prompt_reused = reused
+            gen.stats.prompt_reused = common_prefix_len(cache.cached, context[:-1])
             gen.stats.prompt_tokens = len(context)
-        start = len(cache.cached)  # (what a failed call left in it counts: `cached` says what is there)
-        end = len(context) - 1 if budget is None else min(len(context) - 1, start + budget)
-        cache.eval(context[start:end], logits="none")
-        if end < len(context) - 1:
+        if not fill_cache(cache, context[:-1], budget):
             return False
         drafter = self.decoder.drafter
         prefill = getattr(drafter, "prefill", None)  # (drafters with a cache of their own)

@@ -185,10 +185,8 @@ def verify_all(
         return {s: err for s in requests}
     cpu_s, pass_s = time.process_time() - cpu_pass, time.perf_counter() - t_pass
     n_tokens = {s: len(tokens) for s, tokens in requests.items()}
-    if costs is None:
-        shares = {s: n / sum(n_tokens.values()) for s, n in n_tokens.items()}
-    else:
-        shares = costs.shares(n_tokens)
+    shares = (costs or SharedPassCost()).shares(n_tokens)  # (a new one splits by tokens)
+    if costs is not None:
         costs.add(sum(n_tokens.values()), pass_s)
     results: dict[int, Step | Exception] = {}
     for s in requests:

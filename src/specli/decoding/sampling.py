@@ -353,9 +353,7 @@ def _top_k_near(row: np.ndarray, best: float, k: int, top_p: float, threshold: f
     near = np.flatnonzero(row >= loose)
     if near.shape[0] > k:
         near = np.sort(near[_largest(row[near], k)])
-    vals = row[near].astype(np.float64)
-    order = _descending(vals)
-    ids, vals = near[order], vals[order]
+    ids, vals = _by_logit(row, near)
     if ids.shape[0] == k:
         ids, vals = _top_p(ids, vals, top_p, True)
         keep = vals >= threshold
@@ -382,11 +380,17 @@ def _top_k(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, bool]:
     n_vocab = row.shape[0]
     if k <= 0 or k >= n_vocab:
         return np.arange(n_vocab), row.astype(np.float64), False
-    ids = np.sort(_largest(row, k))
+    # sorted here because top-p needs it and k is small: sorting k values costs nothing
+    ids, vals = _by_logit(row, np.sort(_largest(row, k)))
+    return ids, vals, True
+
+
+def _by_logit(row: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ids (ascending) and their float64 logits, ordered by logit, descending; ties keep the
+    lower id first."""
     vals = row[ids].astype(np.float64)
     order = _descending(vals)
-    # sorted here because top-p needs it and k is small: sorting k values costs nothing
-    return ids[order], vals[order], True
+    return ids[order], vals[order]
 
 
 def _largest(values: np.ndarray, k: int) -> np.ndarray:

@@ -374,6 +374,17 @@ def sync_cache(model: LlamaModel, context: Sequence[int]) -> np.ndarray:
     return model.eval(context[common:], logits="last")
 
 
+def fill_cache(model: LlamaModel, tokens: Sequence[int], budget: int | None = None) -> bool:
+    """Make model's cache (a LlamaModel or a SequenceView) hold `tokens`: keep the longest
+    common prefix, evaluate at most `budget` more (None: all) without logits. True once it
+    holds all of them; called again, it goes on from what the cache holds."""
+    start = common_prefix_len(model.cached, tokens)
+    model.truncate(start)
+    end = len(tokens) if budget is None else min(len(tokens), start + budget)
+    model.eval(tokens[start:end], logits="none")
+    return end == len(tokens)
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
