@@ -13,7 +13,12 @@
 # binary rebuilt: GGML_RPC adds a public compile definition to ggml, so all of them change.
 #
 # Env overrides: LLAMA_CPP_PYTHON_VERSION (default 0.3.36), JOBS (default 2),
-#                LLAMA_SRC (an already unpacked sdist directory to copy from).
+#                LLAMA_SRC (an already unpacked sdist directory to copy from),
+#                ARCH_FLAGS (compiler flags instead of ggml's -march=native; default on a CPU
+#                that reports AMX: "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+#                as docs/install.md builds llama-cpp-python there, since this llama.cpp's
+#                AMX kernels die with SIGILL on such machines, ggml-org/llama.cpp#26954).
+#                Build specli's llama-cpp-python with the same flags for a like-for-like yardstick.
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -86,6 +91,14 @@ if [[ ! -f "$LLAMA/CMakeLists.txt" ]]; then
 fi
 
 cd "$LLAMA"
+if [[ -z "${ARCH_FLAGS:-}" ]] && grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    ARCH_FLAGS="-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+arch_args=()
+if [[ -n "${ARCH_FLAGS:-}" ]]; then
+    echo "compiler flags: $ARCH_FLAGS"
+    arch_args=(-DGGML_NATIVE=OFF "-DCMAKE_C_FLAGS=$ARCH_FLAGS" "-DCMAKE_CXX_FLAGS=$ARCH_FLAGS")
+fi
 # Decided before configuring: afterwards the cache says ON either way.
 rebuild_all=0
 if [[ -f build/CMakeCache.txt ]] && ! rpc_configured; then
@@ -101,7 +114,7 @@ fi
 # RPC on: the tools' --rpc, and tools/rpc (CPU only here: add the machine's GPU flag for a real
 # helper machine, e.g. -DGGML_CUDA=ON).
 cmake -B build -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release \
-    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_RPC=ON
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_RPC=ON "${arch_args[@]}"
 # Only the missing targets: a re-run after adding a target does not re-link the others.
 if ((rebuild_all)); then
     touch "$PENDING"

@@ -1,0 +1,267 @@
+"""Drafting replayed on a known text: figures that do not move with the machine.
+
+At temperature 0 the output is the target's greedy text whatever is drafted, so once that text
+is known (a plain run's output), what a model-free drafter proposes, what the target accepts,
+and how wide each target pass is depend only on the text and the choices made: no model is
+needed to replay a run. Charging each pass from a cost table (the seconds of a pass by its
+width, measured once per machine) gives a modelled time that compares policies without the
+noise of a shared machine, and `oracle` says how fast the best choice of draft lengths could
+have been for the same drafter, text and table.
+
+The replay follows the engine's step (engine.SequenceStep) with the target's pass replaced by
+the text: k = min(n_draft, tokens left - 1); the drafter proposes from the context (prompt and
+output so far); the accepted drafts are the proposal's agreeing prefix with the text, then the
+target's own token. Under `--draft-max auto` the policy is told each step as the engine tells
+it, with the table's seconds as the pass's time and no time for drafting or the loop (lookup
+spends 0.1-0.3 ms a step in Python, against passes of milliseconds or more).
+
+What it cannot replay: a draft model (its proposals come from its own logits), and a text
+that batch numerics would make differ from the plain run's (near-ties on quantized models,
+../../../shared/NOTES.md): the replay's text is the plain run's throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from specli.decoding.policy import FIXED, AdaptivePolicy, DraftJudge, StepReport
+
+AUTO = "auto"
+WIDEST = 65  # pass widths a cost table holds (a draft of 64 and the newest token)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Seconds of one target pass by its width (tokens in the pass): `seconds[n - 1]` is T(n).
+
+    Beyond the table a pass costs what the last step of the table adds per token."""
+
+    seconds: tuple[float, ...]
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.seconds or any(not (s > 0 and math.isfinite(s)) for s in self.seconds):
+            raise ValueError("a cost table needs positive, finite seconds for every width from 1")
+
+    def __call__(self, width: int) -> float:
+        table = self.seconds
+        if width <= len(table):
+            return table[width - 1]
+        step = table[-1] - table[-2] if len(table) > 1 else table[-1]
+        return table[-1] + (width - len(table)) * max(step, 0.0)
+
+    @classmethod
+    def from_points(cls, points: Mapping[int, float], label: str = "", widest: int = WIDEST) -> "CostTable":
+        """From measured widths (e.g. {1: 0.0225, 4: 0.066, 16: 0.127}): straight lines between
+        them, the last segment's slope beyond, and never cheaper for a wider pass."""
+        known = sorted((int(n), float(s)) for n, s in points.items())
+        if not known or known[0][0] != 1:
+            raise ValueError("a cost table needs the time of a one-token pass")
+        out: list[float] = []
+        for n in range(1, widest + 1):
+            right = next((i for i, (w, _) in enumerate(known) if w >= n), None)
+            if right is None:  # beyond the widest measured: the last segment's slope
+                (w0, s0), (w1, s1) = known[-2] if len(known) > 1 else known[-1], known[-1]
+                slope = (s1 - s0) / (w1 - w0) if w1 > w0 else 0.0
+                value = s1 + slope * (n - w1)
+            elif known[right][0] == n or right == 0:
+                value = known[right][1]
+            else:
+                (w0, s0), (w1, s1) = known[right - 1], known[right]
+                value = s0 + (s1 - s0) * (n - w0) / (w1 - w0)
+            out.append(max(value, out[-1] if out else value))
+        return cls(tuple(out), label)
+
+    @classmethod
+    def from_medians(cls, medians: Mapping[int, float], label: str = "", widest: int = WIDEST) -> "CostTable":
+        """From a median timing per width: the closest non-decreasing sequence by least squares
+        (isotonic regression; a wider pass never costs less, and one noisy width must not lift
+        every width after it as a running maximum would), then `from_points`."""
+        known = sorted((int(n), float(s)) for n, s in medians.items())
+        blocks: list[list[float]] = []  # [sum, count] of pooled adjacent widths
+        for _, seconds in known:
+            blocks.append([seconds, 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                total, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += count
+        fitted = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+        return cls.from_points({n: f for (n, _), f in zip(known, fitted)}, label, widest)
+
+    @classmethod
+    def flat(cls, one: float = 0.01, at_16: float = 1.1, label: str = "flat", widest: int = WIDEST) -> "CostTable":
+        """A GPU-like table: a pass over 16 tokens costs `at_16` one-token passes, growing in a
+        straight line (on a GPU a small model's pass is bound by reading its weights)."""
+        per_token = (at_16 - 1.0) / 15
+        return cls(tuple(one * (1 + per_token * (n - 1)) for n in range(1, widest + 1)), label)
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "seconds": list(self.seconds)}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "CostTable":
+        return cls(tuple(float(s) for s in data["seconds"]), str(data.get("label", "")))
+
+    @classmethod
+    def load(cls, path: Path) -> "CostTable":
+        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+@dataclass
+class Replay:
+    """One replayed generation: the width of each target pass and what it accepted."""
+
+    widths: list[int] = field(default_factory=list)  # tokens in each pass (1 + drafted)
+    accepted: list[int] = field(default_factory=list)  # drafts accepted by each pass
+    n_tokens: int = 0  # tokens generated
+
+    @property
+    def passes(self) -> int:
+        return len(self.widths)
+
+    @property
+    def drafted(self) -> int:
+        return sum(self.widths) - len(self.widths)
+
+    @property
+    def n_accepted(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def refused(self) -> int:
+        """Drafted tokens the target did not keep (checked and refused, or after a refusal)."""
+        return self.drafted - self.n_accepted
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.n_tokens / self.passes if self.passes else 0.0
+
+    def modelled_s(self, costs: Callable[[int], float]) -> float:
+        """The generation's time with every pass charged from `costs` (width -> seconds)."""
+        return sum(costs(w) for w in self.widths)
+
+
+def agreeing(draft: Sequence[int], text: Sequence[int], at: int) -> int:
+    """How many leading tokens of `draft` equal text[at:]."""
+    n = 0
+    while n < len(draft) and at + n < len(text) and draft[n] == text[at + n]:
+        n += 1
+    return n
+
+
+def replay(
+    text: Sequence[int], prompt_len: int, drafter, n_draft: int | str, costs: Callable[[int], float], *,
+    policy: AdaptivePolicy | None = None, end: int | None = None,
+) -> Replay:  # fmt: skip
+    """Replay a generation of text[prompt_len:end] (default: to the end of `text`) with a
+    model-free `drafter` (drafters.Drafter: begin/propose/update) at a fixed `n_draft` or
+    "auto" (a fresh AdaptivePolicy unless `policy` is given, e.g. one seeded with saved state,
+    or one that lived through earlier replays). `costs` is what the policy is told each pass
+    took (width -> seconds)."""
+    text = list(text)
+    end = len(text) if end is None else end
+    if not 0 < prompt_len < end <= len(text):
+        raise ValueError("a replay needs a prompt and at least one token after it")
+    judge: DraftJudge = FIXED
+    if n_draft == AUTO:
+        policy = policy if policy is not None else AdaptivePolicy(64)
+        judge, n_max = policy, policy.max_draft
+    else:
+        policy, n_max = None, int(n_draft)
+    context = text[:prompt_len]
+    drafter.begin(list(context))
+    out = Replay()
+    pos = prompt_len
+    first = True
+    while pos < end:
+        k = min(n_max, end - pos - 1)
+        proposal = drafter.propose(context, k, judge) if k > 0 else None
+        draft = list(proposal.tokens) if proposal is not None else []
+        assert len(draft) <= k
+        n_acc = agreeing(draft, text, pos)
+        emitted = text[pos : pos + n_acc + 1]
+        if draft:
+            drafter.update(len(draft), n_acc)
+        if policy is not None:
+            policy.observe(StepReport(
+                source=proposal.source if proposal is not None else None, n_drafted=len(draft), n_accepted=n_acc,
+                confidences=None, draft_s=0.0, pass_tokens=len(draft) + 1, pass_s=costs(len(draft) + 1),
+                context_len=len(context), gap_s=None if first else 0.0,
+            ))  # fmt: skip
+        first = False
+        out.widths.append(len(draft) + 1)
+        out.accepted.append(n_acc)
+        out.n_tokens += len(emitted)
+        context.extend(emitted)
+        pos += len(emitted)
+    return out
+
+
+def candidates(text: Sequence[int], prompt_len: int, drafter, n_max: int = 64, end: int | None = None) -> list[list[int]]:
+    """The drafter's longest proposal at every position of the generation (index i: after
+    text[:prompt_len + i]), visiting them all in order. A drafter with a `longest(context,
+    n_max)` method gives its continuation before any cap of its own on the length (what
+    `oracle` chooses lengths from); others are asked `propose` with a fixed length."""
+    text = list(text)
+    end = len(text) if end is None else end
+    drafter.begin(text[:prompt_len])
+    longest = getattr(drafter, "longest", None)
+    out = []
+    for pos in range(prompt_len, end):
+        k = min(n_max, end - pos - 1)
+        if k <= 0:
+            out.append([])
+        elif longest is not None:
+            out.append(list(longest(text[:pos], k)))
+        else:
+            out.append(list(drafter.propose(text[:pos], k, FIXED).tokens))
+    return out
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """The best any choice of draft lengths could do with a drafter's proposals."""
+
+    modelled_s: float
+    widths: tuple[int, ...]  # the passes of the best choice
+    n_tokens: int
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.n_tokens / len(self.widths) if self.widths else 0.0
+
+
+def oracle(text: Sequence[int], prompt_len: int, proposals: Sequence[Sequence[int]], costs: Callable[[int], float],
+           end: int | None = None) -> Oracle:  # fmt: skip
+    """The least modelled time over every choice of draft length at every step, each step's
+    draft being a prefix of the drafter's proposal at that position (`candidates`).
+
+    Dynamic programming from the end: from position p, a draft of k <= a tokens (a = how many
+    of the proposal the text agrees with) is accepted whole and moves to p + k + 1 for T(k + 1);
+    a longer draft moves no further and costs more, so it is never best."""
+    text = list(text)
+    end = len(text) if end is None else end
+    n = end - prompt_len
+    if n <= 0 or len(proposals) < n:
+        raise ValueError("the oracle needs a proposal for every position of the generation")
+    best = [0.0] * (n + 1)  # best[i]: least time from position prompt_len + i to the end
+    choice = [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        pos = prompt_len + i
+        a = min(agreeing(proposals[i], text, pos), end - pos - 1)
+        best_s, best_k = math.inf, 0
+        for k in range(a + 1):
+            s = costs(k + 1) + best[i + k + 1]
+            if s < best_s:
+                best_s, best_k = s, k
+        best[i], choice[i] = best_s, best_k
+    widths = []
+    i = 0
+    while i < n:
+        widths.append(choice[i] + 1)
+        i += choice[i] + 1
+    return Oracle(best[0], tuple(widths), n)
