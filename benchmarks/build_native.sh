@@ -16,8 +16,8 @@
 #                LLAMA_SRC (an already unpacked sdist directory to copy from),
 #                ARCH_FLAGS (compiler flags instead of ggml's -march=native; default on a CPU
 #                that reports AMX: "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
-#                as docs/install.md builds llama-cpp-python there, since this llama.cpp's
-#                AMX kernels die with SIGILL on such machines, ggml-org/llama.cpp#26954).
+#                as docs/install.md builds llama-cpp-python there: this llama.cpp's AMX
+#                kernels die with SIGILL on such machines, ggml-org/llama.cpp#26954).
 #                Build specli's llama-cpp-python with the same flags for a like-for-like yardstick.
 set -euo pipefail
 

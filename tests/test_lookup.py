@@ -16,8 +16,11 @@ class RecordingJudge(DraftJudge):
         self.allow = allow
         self.calls: list[dict] = []
 
-    def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0) -> int:
+    def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0, agreed: int | None = None,
+              cap: int | None = None) -> int:  # fmt: skip
+        n_max = super().limit(source, n_max, context_len, match, agreed, cap)  # (the drafter's own cap)
         self.calls.append({"source": source, "n_max": n_max, "context_len": context_len, "match": match})
+        self.agreed = agreed
         return n_max if self.allow is None else min(n_max, self.allow)
 
 

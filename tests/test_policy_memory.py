@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from specli.decoding.policy import store as policy_store
-from specli.decoding.policy.acceptance import PositionalAcceptance
-from specli.decoding.policy.adaptive import LONG_MATCH, SEED_CHECKS, AdaptivePolicy, StepReport
+from specli.decoding.policy.acceptance import CopyAcceptance
+from specli.decoding.policy.adaptive import SEED_CHECKS, AdaptivePolicy, StepReport
 from specli.decoding.policy.store import Rejected
 
 NOW = 1_800_000_000.0
+LONG_MATCH = 12  # a lookup match as long as native ngram-simple's key
 # Gemma 3 270M on 2 quiet CPU threads, ms per pass over n tokens (measured here), and what busy
 # loops on both cores did to them: one-token passes 2x slower, wide ones 4.7x (a pass waits for
 # its slowest thread, and wide passes have more to wait for). Their CPU use per second: 2.0
@@ -104,10 +105,14 @@ def test_saved_costs_that_disagree_with_the_run_are_dropped_within_a_few_passes(
 
 def test_a_run_that_starts_from_saved_costs_drafts_at_once():
     saved = through_a_file(run(None, quiet, 1.0)[0])
-    _, lengths, _ = run(saved, quiet, 1.0, steps=10, match=LONG_MATCH)
+    _, lengths, _ = run(saved, quiet, 1.0, steps=10)
     assert lengths[0] > 0  # no plain steps to measure plain decoding first
-    _, fresh_lengths, _ = run(None, quiet, 1.0, steps=10, match=LONG_MATCH)
+    _, fresh_lengths, _ = run(None, quiet, 1.0, steps=10)
     assert fresh_lengths[:2] == [0, 0]
+    # A copy with a long match behind it needs no plain step first either: copying costs no
+    # model pass, and plain decoding's cost is the passes' own T(1).
+    _, fresh_copy, _ = run(None, quiet, 1.0, steps=10, match=LONG_MATCH)
+    assert fresh_copy[0] > 0
 
 
 def test_acceptance_is_the_texts_not_the_pairs():
@@ -138,21 +143,23 @@ def test_a_warm_run_drafts_on_short_matches_until_a_draft_is_refused():
     assert copying[0] > 0 and sum(copying) >= 40, copying
     _, failing, _ = run(saved, quiet, 0.0, steps=200, match=3)
     drafted = [k for k in failing if k]
-    assert drafted and sum(drafted[1:]) <= 2 * 2 * 5, failing  # after the first refusal: probes only, a few
+    # After the first refusal, drafts only until the run's own wide passes have checked the
+    # saved costs (the first pass of a size checks nothing), then none.
+    assert drafted and len(drafted) <= 1 + SEED_CHECKS + 1 and not any(failing[20:]), failing
 
 
 def test_the_length_of_a_lookup_match_is_evidence_the_copy_goes_on():
     # A text that has copied m tokens in a row: by the rule of succession the next follows with
-    # (m + 1) / (m + 2), so a longer match promises more; the record's prior alone does not.
-    fresh = PositionalAcceptance(8)
-    plain, at_12, at_60 = fresh.rates(8), fresh.rates(8, copied=LONG_MATCH), fresh.rates(8, copied=60)
-    assert all(a < b < c for a, b, c in zip(plain, at_12, at_60)), (plain, at_12, at_60)
-    # It is a prior: the record's verdicts outweigh it, at the refused position and deeper.
-    refused = PositionalAcceptance(8)
-    for _ in range(20):
-        refused.observe(8, 1)  # the second draft token always refused
-    rates = refused.rates(8, copied=60)
-    assert rates[0] > 0.9 and max(rates[1:]) < 0.3, rates
+    # (m + 1) / (m + 2), so a longer match promises more.
+    fresh = CopyAcceptance(8)
+    short, at_12, at_60 = fresh.rates(8, 2), fresh.rates(8, LONG_MATCH), fresh.rates(8, 60)
+    assert all(a < b < c for a, b, c in zip(short, at_12, at_60)), (short, at_12, at_60)
+    # It is a prior: the record's verdicts on matches that long outweigh it at the refused position.
+    refused = CopyAcceptance(8)
+    for _ in range(40):
+        refused.observe(60, 8, 1)  # the second draft token always refused
+    rates = refused.rates(8, 60)
+    assert rates[0] > 0.9 and rates[1] < 0.5, rates
 
 
 def test_contended_passes_are_used_by_the_run_but_never_saved():

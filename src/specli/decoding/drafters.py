@@ -312,9 +312,10 @@ class PromptLookupDrafter:
         self._offset, self._aligned_at = src - at, at + followed
         self._last = None
 
-    def _candidate(self, n_max: int) -> tuple[int, int, int] | None:
-        """(source, match, cap): where to copy from, how long the match there is, and how
-        many tokens the evidence allows; None without a candidate."""
+    def _candidate(self, n_max: int) -> tuple[int, int, int, int | None] | None:
+        """(source, match, cap, agreed): where to copy from, how long the match there is, how
+        many tokens the evidence allows, and how many tokens a second earlier occurrence agrees
+        on (None: no second one); None without a candidate."""
         tokens = self._tokens
         end = len(tokens)
         cap = self.MATCH_CAP
@@ -334,13 +335,15 @@ class PromptLookupDrafter:
             break
         if found:
             match, _, src = max(found)
-            return src, match, n_max
+            others = [other for _, _, other in sorted(found, reverse=True) if other != src]
+            agreed = _agreement(tokens, max(src, others[0]), min(src, others[0]), n_max) if others else None
+            return src, match, n_max, agreed
         # 2. Resume a copy the text left a few tokens ago.
         if self._offset is not None and 0 < end - self._aligned_at <= self.RESYNC_SPAN:
             left = self._aligned_at + self._offset  # the source position the text left
             src, match = _resync(tokens, left - 2, left + self.RESYNC_WINDOW, self.ngram_min)
             if match >= self.RESYNC_MIN:
-                return src, match, min(n_max, self.RESYNC_DRAFT)
+                return src, match, min(n_max, self.RESYNC_DRAFT), None
         # 3. Shorter keys on two agreeing votes.
         for n in range(min(self.ngram_min - 1, end - 1), self.key_min - 1, -1):
             key = tuple(tokens[end - n :])
@@ -349,28 +352,41 @@ class PromptLookupDrafter:
                 continue
             agreed = _agreement(tokens, start + n, before + n, n_max)
             if agreed >= min(self.CONSENSUS_DRAFT, n_max):
-                return start + n, _match_length(tokens, start + n, end, cap), agreed
+                return start + n, _match_length(tokens, start + n, end, cap), agreed, agreed
             return None
         return None
 
-    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
-        if n_max <= 0:
-            return _empty(self.name)
+    def _locate(self, context: Sequence[int], n_max: int) -> tuple[int, int, int, int | None] | None:
+        """_candidate() on the context brought up to date, remembered for `_learn`, its cap
+        lowered by the key's departures (4. in the class docstring)."""
         self._follow(context)
         self._learn()
         found = self._candidate(n_max)
         if found is None:
-            return _empty(self.name)
-        src, match, cap = found
+            return None
+        src, match, cap, agreed = found
         tokens = self._tokens
         key = tuple(tokens[len(tokens) - min(match, self.ngram_max) :])
         self._last = (key, src, len(tokens))
-        cap = min(cap, self._cut.get(key, cap))
-        if cap <= 0:
+        return src, match, min(cap, self._cut.get(key, cap)), agreed
+
+    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
+        if n_max <= 0:
             return _empty(self.name)
-        # Copying is free; only the target's wider pass costs: the judge sizes it.
-        n = judge.limit(self.name, cap, len(context), match=match)
-        return Proposal(_continue_periodically(tokens, src, n) if n > 0 else [], source=self.name)
+        found = self._locate(context, n_max)
+        if found is None:
+            return _empty(self.name)
+        src, match, cap, agreed = found
+        # Copying is free; only the target's wider pass costs: the judge sizes it, from the
+        # evidence (a fixed --draft-max drafts up to the cap, --draft-max auto weighs it).
+        n = judge.limit(self.name, n_max, len(context), match=match, agreed=agreed, cap=cap)
+        return Proposal(_continue_periodically(self._tokens, src, n) if n > 0 else [], source=self.name)
+
+    def longest(self, context: Sequence[int], n_max: int) -> list[int]:
+        """What propose() would copy, n_max tokens of it whatever the evidence allows (the
+        drafter's choice before any cap on the length: replay.oracle's candidates)."""
+        found = self._locate(context, n_max) if n_max > 0 else None
+        return [] if found is None else _continue_periodically(self._tokens, found[0], n_max)
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
         pass  # the next context shows how far the text followed the copy (`_learn`)

@@ -155,13 +155,15 @@ def agreeing(draft: Sequence[int], text: Sequence[int], at: int) -> int:
 
 def replay(
     text: Sequence[int], prompt_len: int, drafter, n_draft: int | str, costs: Callable[[int], float], *,
-    policy: AdaptivePolicy | None = None, end: int | None = None,
+    policy: AdaptivePolicy | None = None, end: int | None = None, utilization: float | None = None,
 ) -> Replay:  # fmt: skip
     """Replay a generation of text[prompt_len:end] (default: to the end of `text`) with a
     model-free `drafter` (drafters.Drafter: begin/propose/update) at a fixed `n_draft` or
     "auto" (a fresh AdaptivePolicy unless `policy` is given, e.g. one seeded with saved state,
     or one that lived through earlier replays). `costs` is what the policy is told each pass
-    took (width -> seconds)."""
+    took (width -> seconds); `utilization`, the CPU seconds per second it is told each pass
+    used (None: not measured; 2.0 is two quiet threads, less says other processes share the
+    cores)."""
     text = list(text)
     end = len(text) if end is None else end
     if not 0 < prompt_len < end <= len(text):
@@ -191,6 +193,7 @@ def replay(
                 source=proposal.source if proposal is not None else None, n_drafted=len(draft), n_accepted=n_acc,
                 confidences=None, draft_s=0.0, pass_tokens=len(draft) + 1, pass_s=costs(len(draft) + 1),
                 context_len=len(context), gap_s=None if first else 0.0,
+                cpu_s=None if utilization is None else utilization * costs(len(draft) + 1),
             ))  # fmt: skip
         first = False
         out.widths.append(len(draft) + 1)

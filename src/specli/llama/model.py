@@ -26,7 +26,9 @@ import llama_cpp
 
 from specli.errors import ModelFileError, SpecliError
 from specli.llama.devices import default_threads
-from specli.llama.native import clear_native_log, ensure_backend, interrupt_requested, last_native_error, native, progress_callback
+from specli.llama.native import (
+    amx_kernels, clear_native_log, ensure_backend, interrupt_requested, last_native_error, native, progress_callback,
+)  # fmt: skip
 from specli.models.header import check_model_header
 
 GGUF_MAGIC = b"GGUF"
@@ -118,6 +120,8 @@ class LlamaModel:
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         mparams.progress_callback = progress_callback  # cancels the load on Ctrl-C
+        if amx_kernels():
+            mparams.use_extra_bufts = False  # (AMX weight buffers crash: native.amx_kernels)
         fields = dict(llama_cpp.llama_model_params._fields_)
         if devices is not None:  # a NULL-terminated array, read during the load only
             device_array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)

@@ -129,6 +129,18 @@ def ensure_backend() -> None:
     init_backend(verbose=_verbose)
 
 
+def amx_kernels() -> bool:
+    """Whether this llama.cpp was built with its AMX kernels (a -march=native build on a CPU
+    that reports AMX). Those of llama-cpp-python 0.3.36 die with SIGILL on such machines
+    (seen here on an Intel Xeon VM; ggml-org/llama.cpp#26954): specli keeps weights out of
+    llama.cpp's extra buffer types there (LlamaModel), unless SPECLI_AMX=1. docs/install.md
+    gives the build without AMX, which keeps the CPU's other kernels."""
+    if os.environ.get("SPECLI_AMX") == "1":
+        return False
+    info = llama_cpp.llama_print_system_info()
+    return b"AMX_INT8 = 1" in (info or b"")
+
+
 # --- ggml's own libraries ---------------------------------------------------------------------
 def ggml_library(stem: str):
     """The ctypes handle of one of the ggml libraries llama_cpp loaded ("libggml",

@@ -29,15 +29,28 @@ def expected_tokens(accept: Sequence[float]) -> list[float]:
 
 
 def best_length(accept: Sequence[float], t_draft: float, pass_cost: Callable[[int], float],
-                plain_cost: float | None = None, start_cost: float = 0.0) -> int:  # fmt: skip
+                plain_cost: float | None = None, start_cost: float = 0.0, going_rate: float | None = None) -> int:  # fmt: skip
     """The k in 0 .. len(accept) with the highest E(k) / (start_cost + k t_draft + T(k+1)).
 
     `accept[i]` is a_i; `pass_cost(n)` is T(n); `plain_cost` is what a pass costs in plain
     decoding (default T(1)); `start_cost` what a step that drafts at all pays on top of its
     tokens. Ties go to the shorter draft (less work).
+
+    With `going_rate` (tokens per second the generation makes in the long run), the k with the
+    highest E(k) - going_rate * C(k) instead: the step's tokens less what its time would have
+    made at that rate. Over many steps that is what maximises tokens per second (a step with a
+    better chance than most should take more of it than its own best ratio would).
     """
     expected = expected_tokens(accept)
-    best_k, best_rate = 0, expected[0] / (plain_cost if plain_cost is not None else pass_cost(1))
+    plain = plain_cost if plain_cost is not None else pass_cost(1)
+    if going_rate is not None:
+        best_k, best = 0, expected[0] - going_rate * plain
+        for k in range(1, len(accept) + 1):
+            value = expected[k] - going_rate * (start_cost + k * t_draft + pass_cost(k + 1))
+            if value > best + 1e-12:
+                best_k, best = k, value
+        return best_k
+    best_k, best_rate = 0, expected[0] / plain
     for k in range(1, len(accept) + 1):
         rate = expected[k] / (start_cost + k * t_draft + pass_cost(k + 1))
         if rate > best_rate * (1 + 1e-12):
@@ -74,16 +87,87 @@ class PositionalAcceptance:
         self.judged = [j * keep for j in self.judged]
         self.accepted = [a * keep for a in self.accepted]
 
-    def rates(self, n: int, copied: int = 0) -> list[float]:
-        """a_0 .. a_{n-1}. `copied`: tokens the text has just copied in a row (a lookup match);
-        by the rule of succession the next one follows with (copied + 1) / (copied + 2): the
-        prior where that is higher. The record's verdicts outweigh it, position by position,
-        and a deeper position leans on the one before it, so refusals are not forgotten deeper."""
+    def rates(self, n: int) -> list[float]:
+        """a_0 .. a_{n-1}: a deeper position leans on the one before it, so refusals are not
+        forgotten deeper."""
         out = []
-        previous = max(self.prior, (copied + 1) / (copied + 2)) if copied else self.prior
+        previous = self.prior
         for i in range(min(n, len(self.judged))):
             previous = (self.accepted[i] + PRIOR_WEIGHT * previous) / (self.judged[i] + PRIOR_WEIGHT)
             out.append(previous)
+        return out
+
+
+COPY_BINS = (0, 4, 8, 16, 32, 64)  # match lengths at which a copying drafter's records begin
+COPY_WEIGHT_MAX = 16.0  # the current match counts as at most this many verdicts
+COPY_AGREED = 0.95  # prior acceptance of a copied token a second earlier place agrees on
+COPY_FORK = 0.5  # ... of the token where the two places differ
+
+
+class CopyAcceptance:
+    """a_i for drafts copied from the text (prompt lookup), given the evidence behind the copy:
+    the match m (how many tokens at the end of the context repeat those before the copied
+    place) and, when the copied text occurs twice before, how many tokens the two agree on.
+
+    The match is evidence of its own: the text has followed the copied place for m tokens in a
+    row, so by the rule of succession the next one follows with (m + 1) / (m + 2), and draft i
+    (all before it accepted) with (m + i + 1) / (m + i + 2), counting as m + 2 verdicts (at
+    most COPY_WEIGHT_MAX). Against it weigh the run's own verdicts on drafts copied after
+    matches of about that length: one record per bin of COPY_BINS, recent verdicts counting
+    most. A model that does not follow short matches learns it within a few drafts, while a
+    long match still drafts at once whatever short ones did.
+
+    Two earlier places that agree on a token make it likely (COPY_AGREED); where the evidence
+    ends (they differ, or the drafter's own rules stop vouching) the text may fork (COPY_FORK):
+    each has a record of its own per bin too (docs/policy.md, `CopyAcceptance`).
+    """
+
+    def __init__(self, max_positions: int) -> None:
+        self.records = [PositionalAcceptance(max_positions) for _ in COPY_BINS]
+        self.agreed = [[0.0, 0.0] for _ in COPY_BINS]  # [judged, accepted] of agreed tokens
+        self.forks = [[0.0, 0.0] for _ in COPY_BINS]  # ... of tokens where the evidence ends
+
+    @staticmethod
+    def bin(match: int) -> int:
+        return max(i for i, edge in enumerate(COPY_BINS) if match >= edge)
+
+    @property
+    def refused(self) -> bool:
+        return any(r.refused for r in self.records)
+
+    def observe(self, match: int, n_drafted: int, n_accepted: int, agreed: int | None = None,
+                fork: int | None = None) -> None:  # fmt: skip
+        b = self.bin(match)
+        self.records[b].observe(n_drafted, n_accepted)
+        agreed = agreed or 0
+        last = fork if fork is not None else agreed - 1  # the last token judged on its own record
+        for counts in (self.agreed[b], self.forks[b]):
+            counts[0] *= DECAY
+            counts[1] *= DECAY
+        for i in range(min(n_accepted + 1, n_drafted, last + 1)):
+            counts = self.agreed[b] if i < agreed else self.forks[b] if i == fork else None
+            if counts is not None:
+                counts[0] += 1
+                counts[1] += i < n_accepted
+
+    def rates(self, n: int, match: int, agreed: int | None = None, fork: int | None = None) -> list[float]:
+        """a_0 .. a_{n-1} for a copy after a match of `match` tokens, its first `agreed` tokens
+        agreed on by a second earlier place, its evidence ending at token `fork`."""
+        b = self.bin(match)
+        record = self.records[b]
+        weight = min(match + 2.0, COPY_WEIGHT_MAX)
+        out = []
+        for i in range(min(n, len(record.judged))):
+            prior = (match + i + 1) / (match + i + 2)
+            out.append((record.accepted[i] + weight * prior) / (record.judged[i] + weight))
+        if agreed:
+            judged, accepted = self.agreed[b]
+            sure = (accepted + PRIOR_WEIGHT * COPY_AGREED) / (judged + PRIOR_WEIGHT)
+            for i in range(min(agreed, len(out))):
+                out[i] = max(out[i], sure)
+        if fork is not None and fork < len(out):
+            judged, accepted = self.forks[b]
+            out[fork] = min(out[fork], (accepted + PRIOR_WEIGHT * COPY_FORK) / (judged + PRIOR_WEIGHT))
         return out
 
 

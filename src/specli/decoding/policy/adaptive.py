@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from specli.decoding.policy.acceptance import (
-    PRIOR_ACCEPT, ConfidenceCalibration, PositionalAcceptance, best_length, expected_tokens, gated_rate,
+    ConfidenceCalibration, CopyAcceptance, PositionalAcceptance, best_length, expected_tokens, gated_rate,
 )  # fmt: skip
 from specli.decoding.policy.costs import (
     COST_EMA, CONTENDED, MIN_SAMPLES_SAVED, PRIOR_SLOPE, SAMPLES_KEPT, SEED_WEIGHT, PassCost, running_time,
@@ -39,9 +39,6 @@ PROBE_EVERY_MIN = 4  # plain steps before a re-probe, at least
 PROBE_BUDGET = 0.02  # probes that do not pay take at most this share of the time,
 PROBE_CREDIT = 1.0  # plus at most this many plain steps' worth saved up while none was due
 # (about one probe: more, and a short reply after a long plain stretch pays for a burst of probes)
-LONG_MATCH = 12  # a lookup draft copied after a match this long (native ngram-simple's key) has a record of its own
-LONG_SUFFIX = ":long"  # (named like its drafter, with this suffix)
-LONG_MATCH_ACCEPT = 0.9  # the prior acceptance of drafts copied after a long match
 SEED_TRUST = 1.5  # saved costs are dropped when a run's own passes differ by more than this factor
 SEED_CHECKS = 3  # own passes of each kind (one-token, wide) that confirm or refute them
 SEED_WATCH = 256  # steps after which saved costs that were never refuted are taken as confirmed
@@ -58,6 +55,7 @@ PLAIN_CHECK_EVERY_MAX = 1024  # the interval doubles after each check, back to t
 PLAIN_CHECK_STEPS = 4  # plain steps of a check: the first runs on caches the drafter filled
 PLAIN_CHECK_MARGIN = 1.5  # no check where drafting is expected to beat plain by more than this
 PLAIN_CHECK_WEIGHT = 0.5  # a check's timings replace a stale estimate faster than routine ones
+GOING_DECAY = 0.95  # weight of a step in the going rate per newer step (about the last 20)
 LOOKAHEAD = 8  # drafts after the current one that `keep` weighs
 WARM_UP_DRAFTS = 4  # a draft model's first steps draft (keep still judges each token): the
 # first timings of a new pass shape are slow, and a gate closed on them would only reopen
@@ -69,6 +67,7 @@ class SourceState:
     """What the policy knows about one kind of draft (prompt lookup, or the draft model)."""
 
     acceptance: PositionalAcceptance
+    copy: CopyAcceptance
     calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)
     t_draft: float | None = None  # seconds per drafted token, running mean
     start_s: float | None = None  # what a step that drafts pays on top of its tokens, running mean
@@ -98,6 +97,9 @@ class Plan:
     expected: float = 1.0  # E of a pass with the drafts kept so far
     all_accepted: float = 1.0  # P(every draft kept so far is accepted)
     ends: bool = False  # the token just kept ends the proposal (`last`)
+    match: int = 0  # a copying drafter's match (0: none): the CopyAcceptance record to update
+    agreed: int | None = None  # ... how many of its tokens a second earlier place agrees on
+    fork: int | None = None  # ... and the first token its evidence does not vouch for
 
     def keep(self, position: int, a_here: float) -> bool:
         """Keep draft `position`, accepted with a_here when all before it are, if a pass
@@ -205,6 +207,8 @@ class AdaptivePolicy(DraftJudge):
         self._own_passes: list[tuple[int, float, bool, int, float | None, bool]] = []
         self._sizes_seen: set[int] = set()  # pass sizes this run has made
         self._steps = 0
+        self._made = 0.0  # tokens made lately, each step's counting GOING_DECAY as much per newer step
+        self._made_s = 0.0  # ... and the seconds they took
 
     def seed(self, saved: Saved) -> None:
         """Start from what earlier runs measured (store.parse has checked it). Saved costs
@@ -288,8 +292,7 @@ class AdaptivePolicy(DraftJudge):
 
     def source(self, name: str) -> SourceState:
         if name not in self._sources:
-            prior = LONG_MATCH_ACCEPT if name.endswith(LONG_SUFFIX) else PRIOR_ACCEPT
-            self._sources[name] = SourceState(PositionalAcceptance(self.max_draft, prior))
+            self._sources[name] = SourceState(PositionalAcceptance(self.max_draft), CopyAcceptance(self.max_draft))
         return self._sources[name]
 
     def _t_draft(self, state: SourceState) -> float:
@@ -318,10 +321,14 @@ class AdaptivePolicy(DraftJudge):
             return gated
         return expected_tokens(plan.rates[:k])[k] / (self._start_cost(state) + k * plan.t_draft + plan.costs[k + 1])
 
-    def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0) -> int:
-        key = source + LONG_SUFFIX if match >= LONG_MATCH else source
-        plan = self.plan = Plan(source, key)
-        state = self.source(key)
+    def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0, agreed: int | None = None,
+              cap: int | None = None) -> int:  # fmt: skip
+        plan = self.plan = Plan(source, source)
+        state = self.source(source)
+        if match > 0 and not state.runs_model:
+            return self._limit_copy(plan, state, n_max, context_len, match, agreed, cap)
+        if cap is not None:
+            n_max = min(n_max, cap)
         if self.plain_s is None:
             return 0  # the first two steps of a policy's life measure plain decoding
         if self._plain_check_left > 0:
@@ -342,7 +349,7 @@ class AdaptivePolicy(DraftJudge):
         if n_max > state.reach:
             within = REACH_COST * plan.costs[state.reach + 1]
             n_max = max(n for n in range(state.reach, n_max + 1) if plan.costs[n + 1] <= within)
-        plan.rates = state.acceptance.rates(n_max, match if match >= LONG_MATCH else 0)  # a long match is evidence
+        plan.rates = state.acceptance.rates(n_max)
         plan.t_draft = self._t_draft(state)
         plain = self._plain_at(context_len)
         gated = None
@@ -352,24 +359,10 @@ class AdaptivePolicy(DraftJudge):
             # A draft model: whether to look at its first token at all; `keep` gates the rest.
             k = n_max if gated > 1 / plain or state.drafting_steps < WARM_UP_DRAFTS else 0
         else:
-            k = best_length(plan.rates, plan.t_draft, plan.costs.__getitem__, plain, self._start_cost(state))
-            if not state.acceptance.refused and not state.runs_model:
-                # Until this run sees a draft refused, price wide passes as a fresh run does:
-                # a warm run that knew their cost decoded plain where a fresh one drafted, and
-                # lost on text that copies (docs/policy.md, PRIOR_SLOPE for a fresh run's prices).
-                t1 = plan.costs[1]
-                fresh = [0.0] + [t1 * (1 + PRIOR_SLOPE * (n - 1)) for n in range(1, n_max + 2)]
-                k = max(k, best_length(plan.rates, plan.t_draft, fresh.__getitem__, plain, self._start_cost(state)))
+            k = self._best_length(plan, state, plain)
         if k > 0:
             state.plain_streak = 0  # (the probe interval shrinks back when a draft pays: observe)
-            if self._since_plain >= self._plain_check_every and self._plan_rate(gated, k, state, plan) * plain < PLAIN_CHECK_MARGIN:
-                # Time plain decoding again before drafting on (see __init__).
-                self._since_plain = 0
-                self._plain_check_every = min(self._plain_check_every * 2, PLAIN_CHECK_EVERY_MAX)
-                self._plain_check_left = PLAIN_CHECK_STEPS - 1
-                self._plain_checking = True
-                return 0
-            return k
+            return 0 if self._plain_check_due(gated, k, state, plan, plain) else k
         self._plain_check_every = PLAIN_CHECK_EVERY_MIN
         state.plain_streak += 1
         if state.plain_streak >= PROBE_EVERY_MIN and n_max > 0 and self._probe_affordable(state, context_len):
@@ -378,6 +371,63 @@ class AdaptivePolicy(DraftJudge):
             plan.probe = True  # (what its verdict does to the record: observe)
             return min(PROBE_LENGTH, n_max)
         return 0
+
+    def _best_length(self, plan: Plan, state: SourceState, plain: float) -> int:
+        """The draft length that maximises expected tokens per second on the plan's rates and
+        costs; until the run sees a draft refused (a copying drafter: or has checked saved
+        costs against its own wide passes), a model-free drafter's drafts are also priced as a fresh
+        run prices wide passes, and the longer choice is taken: a warm run that knew their cost
+        decoded plain where a fresh one drafted, and lost on text that copies (docs/policy.md,
+        PRIOR_SLOPE for a fresh run's prices)."""
+        going = self.going_rate(plain) if plan.match else None
+        k = best_length(plan.rates, plan.t_draft, plan.costs.__getitem__, plain, self._start_cost(state), going)
+        unchecked = self._seed_status == "pending" and len(self._seed_ratios["wide"]) < SEED_CHECKS
+        if (not state.acceptance.refused or plan.match and unchecked) and not state.runs_model:
+            t1 = plan.costs[1]
+            fresh = [0.0] + [t1 * (1 + PRIOR_SLOPE * (n - 1)) for n in range(1, len(plan.rates) + 2)]
+            k = max(k, best_length(plan.rates, plan.t_draft, fresh.__getitem__, plain, self._start_cost(state), going))
+        return k
+
+    def going_rate(self, plain: float) -> float:
+        """Tokens per second the generation has made lately (the last ~20 steps count), and
+        at least plain decoding's: what a step's time is worth (acceptance.best_length)."""
+        return max(self._made / self._made_s, 1 / plain) if self._made_s > 0 else 1 / plain
+
+    def _plain_check_due(self, gated: float | None, k: int, state: SourceState, plan: Plan, plain: float) -> bool:
+        """Whether plain decoding is to be timed again before drafting on (see __init__); if
+        so, the check starts with this step."""
+        if self._since_plain < self._plain_check_every or self._plan_rate(gated, k, state, plan) * plain >= PLAIN_CHECK_MARGIN:
+            return False
+        self._since_plain = 0
+        self._plain_check_every = min(self._plain_check_every * 2, PLAIN_CHECK_EVERY_MAX)
+        self._plain_check_left = PLAIN_CHECK_STEPS - 1
+        self._plain_checking = True
+        return True
+
+    def _limit_copy(self, plan: Plan, state: SourceState, n_max: int, context_len: int, match: int,
+                    agreed: int | None, cap: int | None) -> int:  # fmt: skip
+        """limit() for a drafter that copies the text and says how long its match is (prompt
+        lookup). Its acceptance is judged on that evidence every step (CopyAcceptance), so
+        nothing here waits for a probe: a match long enough to pay drafts at once, whatever
+        earlier refusals or saved costs said. Copying costs no model pass, so drafting may
+        start before plain decoding is timed (its cost is then the passes' T(1))."""
+        # Where the evidence ends: the first token two earlier places disagree on, or the
+        # drafter's own cap (the text left this copy there last time, a short match): a fork.
+        fork = min((x for x in (agreed, cap) if x is not None), default=None)
+        plan.match, plan.agreed, plan.fork = match, agreed, fork
+        if self._plain_check_left > 0:
+            self._plain_check_left -= 1
+            return 0
+        n_max = min(n_max, self.max_draft)
+        plan.costs = self.pass_cost.table(n_max + 1, context_len)
+        if n_max > state.reach:
+            within = REACH_COST * plan.costs[state.reach + 1]
+            n_max = max(n for n in range(state.reach, n_max + 1) if plan.costs[n + 1] <= within)
+        plan.rates = state.copy.rates(n_max, match, agreed, fork)
+        plan.t_draft = self._t_draft(state)
+        plain = self._plain_at(context_len) if self.plain_s is not None else plan.costs[1] + (self.plain_gap_s or 0.0)
+        k = self._best_length(plan, state, plain)
+        return 0 if k > 0 and self._plain_check_due(None, k, state, plan, plain) else k
 
     def _probe_affordable(self, state: SourceState, context_len: int) -> bool:
         """Whether the probing budget holds what a probe is expected to cost beyond a plain step
@@ -436,6 +486,8 @@ class AdaptivePolicy(DraftJudge):
         record = plan.record if plan is not None and plan.source == source else source
         state = None if record is None else self.source(record)
         self._pay_for_probes(probe, draft_s + pass_s + (gap_s or 0.0), n_accepted + 1, context_len)
+        self._made = self._made * GOING_DECAY + n_accepted + 1
+        self._made_s = self._made_s * GOING_DECAY + draft_s + pass_s + (gap_s or 0.0)
         if probe and state is not None and self.plain_s is not None:
             state.probe_s = running_time(state.probe_s, max(draft_s + pass_s - self._plain_pass_at(context_len), 0.0))
         ran = state is not None and (n_drafted > 0 or confidences is not None)  # (a draft model may only have looked)
@@ -499,6 +551,8 @@ class AdaptivePolicy(DraftJudge):
             # This draft beat plain decoding: when drafting stops paying, probe again soon.
             self._credit = None
         state.acceptance.observe(n_drafted, n_accepted)
+        if plan is not None and plan.source == source and plan.match:
+            state.copy.observe(plan.match, n_drafted, n_accepted, plan.agreed, plan.fork)
         if n_accepted == n_drafted:
             state.reach = max(state.reach, 2 * n_drafted)
         else:
@@ -530,13 +584,14 @@ class AdaptivePolicy(DraftJudge):
         first SEED_CHECKS ratios of each kind outside 1/SEED_TRUST .. SEED_TRUST drops them."""
         self._own_passes.append((n_tokens, seconds, cold, context_len, utilization, steady_plain))
         # The first pass of a size in a process is slow (llama.cpp sizes its buffers for it):
-        # not a fair check.
+        # it can show the saved costs too high, not too low.
         first_of_its_size = n_tokens not in self._sizes_seen
         self._sizes_seen.add(n_tokens)
-        if not cold and not contended and not first_of_its_size:
+        if not cold and not contended:
             ratios = self._seed_ratios["one" if n_tokens == 1 else "wide"]
-            if len(ratios) < SEED_CHECKS:
-                ratios.append(seconds / max(self._seed_model.table(n_tokens, context_len)[n_tokens], 1e-12))
+            ratio = seconds / max(self._seed_model.table(n_tokens, context_len)[n_tokens], 1e-12)
+            if len(ratios) < SEED_CHECKS and (not first_of_its_size or ratio < 1 / SEED_TRUST):
+                ratios.append(ratio)
                 if len(ratios) == SEED_CHECKS and not 1 / SEED_TRUST <= statistics.median(ratios) <= SEED_TRUST:
                     self._drop_seed()
                     return

@@ -13,11 +13,16 @@ class DraftJudge:
 
     wants_confidence = False  # whether `keep` is to be asked (it needs the draft's probabilities)
 
-    def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0) -> int:
+    def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0, agreed: int | None = None,
+              cap: int | None = None) -> int:  # fmt: skip
         """How many tokens of `source` are worth proposing now (0 = none), at most n_max, the
-        context being context_len tokens long; `match`: how many tokens at the end of the
-        context repeat the earlier text the drafts are copied from (prompt lookup; 0 = none)."""
-        return n_max
+        context being context_len tokens long. A drafter that copies the text (prompt lookup)
+        tells its evidence: `match`, how many tokens at the end of the context repeat those
+        before the copied place (0 = none); `agreed`, how many leading tokens of the copy a
+        second earlier place agrees on (None: no second place; the text often forks where they
+        differ); `cap`, how many its own rules vouch for (None: all). This judge drafts up to
+        the cap."""
+        return n_max if cap is None else max(min(n_max, cap), 0)
 
     def keep(self, source: str, position: int, confidence: float) -> bool:
         """Whether the draft token at `position`, which the drafter gives this probability,
