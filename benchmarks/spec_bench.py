@@ -300,10 +300,11 @@ def stage_replay(args) -> None:
         results.append(res)
     log(f"replayed {len(rows)} texts in {time.perf_counter() - t0:.0f}s")
     if args.returning:
-        returning_user(rows, tables, args)
+        returning_user(rows, [r for r in load_texts(args) if r["split"] == "dev"], tables, args)
     out = Path(args.out) / f"replay-{args.set}-{args.split}.json"
     out.write_text(json.dumps(results), encoding="utf-8")
     print_replay(results, tables, list(conf) + ["oracle"], args)
+    print_goals(results, tables, list(conf), args)
 
 
 def print_replay(results: list[dict], tables: list[CostTable], names: list[str], args) -> None:
@@ -356,13 +357,13 @@ def saved_after(rows: list[dict], costs: CostTable, one_x: float = 1.0, wide_x: 
     return saved
 
 
-def returning_user(rows: list[dict], tables: list[CostTable], args) -> None:
+def returning_user(rows: list[dict], dev: list[dict], tables: list[CostTable], args) -> None:
     """Tokens per target pass of `--draft-max auto` on each text from a fresh state, from the
     state of a day of mixed use (24 other texts, every category), and from the state that day
     and then a run under CPU contention left (busy loops on both cores: wide passes 3x and
     one-token passes 1.5x slower, half the CPU use per second; and once with the CPU use not
     measured, which some platforms cannot): the goal is within 5% of each other."""
-    day = [r for r in rows if r["split"] == "dev"][::max(1, len(rows) // 24)][:24]
+    day = dev[:: max(1, len(dev) // 24)][:24]  # (tuning texts, whichever split is measured)
     print(f"\n## the returning user: tokens per target pass from a fresh state, a day's state ({len(day)} texts), "
           f"the day and a contended run's state (CPU use measured / not); geometric means, and the worst text's ratio to fresh")  # fmt: skip
     print("| table | fresh (modelled speedup) | day | contended | unmeasured | day / fresh [min] | contended / fresh [min] | unmeasured / fresh [min] |")
@@ -387,6 +388,33 @@ def returning_user(rows: list[dict], tables: list[CostTable], args) -> None:
         ratio = {name: [a / b for a, b in zip(tpp[name], tpp["fresh"])] for name in others}
         print(f"| {table.label} | " + " | ".join(f"{gmean(tpp[n]):.2f} ({gmean(speed[n]):.2f}x)" for n in tpp) + " | "
               + " | ".join(f"{gmean(ratio[n]):.3f} [{min(ratio[n]):.2f}]" for n in others) + " |")  # fmt: skip
+
+
+def print_goals(results: list[dict], tables: list[CostTable], names: list[str], args) -> None:
+    """The goals of BENCHMARKS.md per category: lookup auto's tokens per pass against the best
+    native n-gram drafter's (per text, then the geometric mean), its modelled time as a share of
+    the oracle's under each table (the worst text in brackets), and its modelled speedup over
+    plain decoding (never below 1 is the goal; the worst text in brackets)."""
+    cats = sorted({r["category"] for r in results}, key=lambda c: (c not in ORDER, ORDER.index(c) if c in ORDER else c))
+    natives = [n for n in names if n.startswith("native")]
+    labels = [t.label for t in tables]
+    print(f"\n## goals: {args.set} ({args.split}, {len(results)} texts); lookup auto against the best native n-gram drafter "
+          "(tokens per pass), the oracle and plain decoding (modelled), geometric means [worst text]")  # fmt: skip
+    head = ["category", "n", "tpp / best native"] + [f"/ oracle, {l}" for l in labels] + [f"speedup, {l}" for l in labels]
+    print("| " + " | ".join(head) + " |")
+    print("|" + " --- |" * len(head))
+    groups = [(c, [r for r in results if r["category"] == c]) for c in cats] + [("all", results)]
+    for cat, group in groups:
+        first = labels[0]
+        vs = [r["tables"][first]["lookup auto"]["tpp"] / max(r["tables"][first][n]["tpp"] for n in natives) for r in group]
+        cells = [cat, str(len(group)), f"{gmean(vs):.2f} [{min(vs):.2f}]"]
+        for l in labels:
+            frac = [r["tables"][l]["lookup auto"]["speedup"] / r["tables"][l]["oracle"]["speedup"] for r in group]
+            cells.append(f"{gmean(frac):.2f} [{min(frac):.2f}]")
+        for l in labels:
+            sp = [r["tables"][l]["lookup auto"]["speedup"] for r in group]
+            cells.append(f"{gmean(sp):.2f}x [{min(sp):.2f}]")
+        print("| " + " | ".join(cells) + " |")
 
 
 ORDER = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
@@ -416,6 +444,7 @@ def parse_args(argv=None):
     ap.add_argument("--returning", action="store_true", help="replay: also from a day's and a contended run's saved state")
     ap.add_argument("--wall-per-category", type=int, default=3, help="wall: prompts per category")
     ap.add_argument("--rounds", type=int, default=2, help="wall: rounds, interleaved")
+    ap.add_argument("--draft-pair", type=lambda s: s.split(","), help="wall: TARGET,DRAFT GGUFs: a draft model on both sides instead of lookup")
     args = ap.parse_args(argv)
     args.set = args.set or (Path(args.prompts).name if args.prompts else "spec_bench")
     args.model = args.model or str(default_model())
@@ -486,6 +515,16 @@ def native_run(row: dict, spec: list[str], args, model: Path, prompt_file: Path)
 
 def wall_configs(args) -> dict[str, tuple[str, list[str]]]:
     """name -> (side, arguments)."""
+    plain = ("native", ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(NO_DRAFT_KEY)])
+    if args.draft_pair:  # a draft model on both sides, at auto and fixed N against native's draft-simple at N
+        draft = args.draft_pair[1]
+        out = {"specli plain": ("specli", ["--target-only"]), "specli draft auto": ("specli", ["-d", draft, "--draft-max", "auto"])}
+        for n in args.n:
+            out[f"specli draft {n}"] = ("specli", ["-d", draft, "--draft-max", str(n)])
+        out["native plain"] = plain
+        for n in args.n:
+            out[f"native draft-simple {n}"] = ("native", ["-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(n)])
+        return out
     out = {"specli plain": ("specli", ["--target-only"]), "specli lookup auto": ("specli", ["--lookup", "--draft-max", "auto"])}
     for n in args.n:
         out[f"specli lookup {n}"] = ("specli", ["--lookup", "--draft-max", str(n)])
@@ -509,7 +548,7 @@ def stage_wall(args) -> None:
         chosen += group[: args.wall_per_category]
     conf = wall_configs(args)
     tables = cost_tables(args)
-    model = Path(args.model)
+    model = Path(args.draft_pair[0] if args.draft_pair else args.model)
     folder = Path(args.out) / "wall-prompts"
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -536,7 +575,7 @@ def stage_wall(args) -> None:
                 runs.append(run)
             done = (rnd * len(chosen) + i + 1) * len(names)
             log(f"[{done}/{total}] {r['id']} ({r['category']}), {time.perf_counter() - t0:.0f}s")
-    out = Path(args.out) / f"wall-{args.set}-{args.split}.json"
+    out = Path(args.out) / f"wall-{args.set}-{args.split}{'-draft' if args.draft_pair else ''}.json"
     out.write_text(json.dumps([{**r.__dict__} for r in runs]), encoding="utf-8")
     print_wall(runs, chosen, names, tables, args)
 
@@ -555,6 +594,7 @@ def print_wall(runs: list[WallRun], chosen: list[dict], names: list[str], tables
         first.setdefault(key, run)
     ids = [r["id"] for r in chosen]
     natives = [n for n in names if n.startswith("native ") and n != "native plain"]
+    auto = next(n for n in names if n.startswith("specli") and n.endswith(" auto"))
     cats = sorted({cat_of[i] for i in ids}, key=lambda c: (c not in ORDER, ORDER.index(c) if c in ORDER else c))
     print(f"\n## wall clock: {args.set}, {len(ids)} prompts, {args.rounds} rounds interleaved, {args.max_tokens} tokens, "
           f"{args.threads} threads; load {os.getloadavg()[0]:.2f}")  # fmt: skip
@@ -577,14 +617,36 @@ def print_wall(runs: list[WallRun], chosen: list[dict], names: list[str], tables
         vs, vm = [], []
         for i in group:
             nat = [best[(i, n)] / best[(i, "native plain")] for n in natives if (i, n) in best and (i, "native plain") in best]
-            if (i, "specli lookup auto") in best and (i, "specli plain") in best and nat:
-                vs.append(best[(i, "specli lookup auto")] / best[(i, "specli plain")] / max(nat))
+            if (i, auto) in best and (i, "specli plain") in best and nat:
+                vs.append(best[(i, auto)] / best[(i, "specli plain")] / max(nat))
             mod = {n: first[(i, n)].n_tokens * table(1) / sum(table(w) for w in first[(i, n)].widths) for n in names if (i, n) in first}
-            if "specli lookup auto" in mod and any(n in mod for n in natives):
-                vm.append(mod["specli lookup auto"] / max(mod[n] for n in natives if n in mod))
+            if auto in mod and any(n in mod for n in natives):
+                vm.append(mod[auto] / max(mod[n] for n in natives if n in mod))
         cells.append(f"{gmean(vs):.2f} {spread(vs)}" if vs else "-")
         cells.append(f"{gmean(vm):.2f} {spread(vm)}" if vm else "-")
         print("| " + " | ".join(cells) + " |")
+    # The ports (native_ngram.py) against the binaries: on the plain run's text a port must make
+    # the very passes the binary made, up to the pass the token budget cuts (the binary's is
+    # one more, -n M+1), on the prompts whose text is stable (every specli run of it gave the
+    # plain run's text: batch numerics change the others' text, the binary's too).
+    rows_by_id = {r["id"]: r for r in chosen}
+    unstable = {run.id for run in runs if run.text_ok is False}
+    same = checked = 0
+    for (i, name), run in first.items():
+        port = PORTS.get(name.removeprefix("native "))
+        if port is None or i in unstable:
+            continue
+        row = rows_by_id[i]
+        text = row["prompt_ids"] + row["output_ids"]
+        replayed = replay(text, len(row["prompt_ids"]), port(), 64, table)
+        n, made = 0, 0
+        while n < len(replayed.widths) and made + replayed.widths[n] < args.max_tokens - 2:
+            made += replayed.accepted[n] + 1
+            n += 1
+        checked += 1
+        same += replayed.widths[:n] == run.widths[:n]
+    print(f"native ports against the binaries, on the {len({i for i, _ in first} - unstable)} prompts whose text is "
+          f"stable: the same passes in {same} of {checked} runs")  # fmt: skip
     noisy = [f"{i} {n}" for (i, n) in best if best[(i, n)] > 1.3 * slow[(i, n)]]
     print(f"texts that differ from the plain run's (batch numerics): {mismatches} of {len(first)} specli runs; "
           f"runs whose rounds differ by over 30%: {len(noisy)}")  # fmt: skip

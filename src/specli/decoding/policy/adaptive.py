@@ -41,6 +41,7 @@ PROBE_CREDIT = 1.0  # plus at most this many plain steps' worth saved up while n
 # (about one probe: more, and a short reply after a long plain stretch pays for a burst of probes)
 SEED_TRUST = 1.5  # saved costs are dropped when a run's own passes differ by more than this factor
 SEED_CHECKS = 3  # own passes of each kind (one-token, wide) that confirm or refute them
+FIRST_PASS_SLOWER = 1.2  # the first pass of a size in a process, against later ones (its buffers are sized)
 SEED_WATCH = 256  # steps after which saved costs that were never refuted are taken as confirmed
 REACH_START = 16  # a source's drafts reach at most this far at first, then twice its latest
 REACH_MIN = 8  # accepted run (at least this) ...
@@ -584,14 +585,14 @@ class AdaptivePolicy(DraftJudge):
         first SEED_CHECKS ratios of each kind outside 1/SEED_TRUST .. SEED_TRUST drops them."""
         self._own_passes.append((n_tokens, seconds, cold, context_len, utilization, steady_plain))
         # The first pass of a size in a process is slow (llama.cpp sizes its buffers for it):
-        # it can show the saved costs too high, not too low.
+        # it counts as that much faster.
         first_of_its_size = n_tokens not in self._sizes_seen
         self._sizes_seen.add(n_tokens)
         if not cold and not contended:
             ratios = self._seed_ratios["one" if n_tokens == 1 else "wide"]
-            ratio = seconds / max(self._seed_model.table(n_tokens, context_len)[n_tokens], 1e-12)
-            if len(ratios) < SEED_CHECKS and (not first_of_its_size or ratio < 1 / SEED_TRUST):
-                ratios.append(ratio)
+            predicted = max(self._seed_model.table(n_tokens, context_len)[n_tokens], 1e-12)
+            if len(ratios) < SEED_CHECKS:
+                ratios.append(seconds / predicted / (FIRST_PASS_SLOWER if first_of_its_size else 1.0))
                 if len(ratios) == SEED_CHECKS and not 1 / SEED_TRUST <= statistics.median(ratios) <= SEED_TRUST:
                     self._drop_seed()
                     return
