@@ -97,23 +97,30 @@ def question_format(question: str) -> str:
     return f"Question: {question}\nAnswer:"
 
 
-def spec_bench_items(path: Path, per_category: int, seed: int = 0) -> list[Item]:
-    """A stratified sample: up to per_category questions of each category (all of a category
-    with fewer), in a seeded order; MT-bench's second turns follow their first."""
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+def stratified(rows: list[dict], per_category: int, seed: str, key: str) -> list[dict]:
+    """Up to per_category rows of each category (all of a category with fewer), drawn in a
+    seeded order; in the order of `key` within each category."""
     by_cat: dict[str, list[dict]] = collections.defaultdict(list)
     for row in rows:
         by_cat[row["category"]].append(row)
+    out = []
+    for cat, group in by_cat.items():
+        group = sorted(group, key=lambda r: r[key])
+        random.Random(f"{seed}-{cat}").shuffle(group)
+        out += sorted(group[:per_category], key=lambda r: r[key])
+    return out
+
+
+def spec_bench_items(path: Path, per_category: int, seed: int = 0) -> list[Item]:
+    """A stratified sample of the questions; MT-bench's second turns follow their first."""
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     items = []
-    for cat, cat_rows in by_cat.items():
-        chosen = sorted(cat_rows, key=lambda r: r["question_id"])
-        random.Random(f"{seed}-{cat}").shuffle(chosen)
-        for row in sorted(chosen[:per_category], key=lambda r: r["question_id"]):
-            qid = row["question_id"]
-            split = "check" if qid % CHECK_EVERY == 0 else "dev"
-            items.append(Item(f"q{qid}", cat, question_format(row["turns"][0]), split))
-            if len(row["turns"]) > 1:
-                items.append(Item(f"q{qid}t2", cat, "", split, follows=f"q{qid}", turn=row["turns"][1]))
+    for row in stratified(rows, per_category, str(seed), "question_id"):
+        qid, cat = row["question_id"], row["category"]
+        split = "check" if qid % CHECK_EVERY == 0 else "dev"
+        items.append(Item(f"q{qid}", cat, question_format(row["turns"][0]), split))
+        if len(row["turns"]) > 1:
+            items.append(Item(f"q{qid}t2", cat, "", split, follows=f"q{qid}", turn=row["turns"][1]))
     return items
 
 
@@ -538,14 +545,7 @@ def stage_wall(args) -> None:
     if not (NATIVE_BIN / "llama-speculative-simple").exists():
         sys.exit(f"error: {NATIVE_BIN}/llama-speculative-simple is missing: run benchmarks/build_native.sh first")
     rows = [r for r in load_texts(args) if args.split == "all" or r["split"] == args.split]
-    by_cat: dict[str, list[dict]] = collections.defaultdict(list)
-    for r in rows:
-        by_cat[r["category"]].append(r)
-    chosen = []
-    for cat, group in by_cat.items():
-        group = sorted(group, key=lambda r: r["id"])
-        random.Random(f"wall-{cat}").shuffle(group)
-        chosen += group[: args.wall_per_category]
+    chosen = stratified(rows, args.wall_per_category, "wall", "id")
     conf = wall_configs(args)
     tables = cost_tables(args)
     model = Path(args.draft_pair[0] if args.draft_pair else args.model)

@@ -17,7 +17,8 @@ spends 0.1-0.3 ms a step in Python, against passes of milliseconds or more).
 
 What it cannot replay: a draft model (its proposals come from its own logits), and a text
 that batch numerics would make differ from the plain run's (near-ties on quantized models,
-../../../shared/NOTES.md): the replay's text is the plain run's throughout.
+README "Limits"): the replay's text is the plain run's throughout. docs/benchmarking.md,
+"Replays", says how the benchmarks use it.
 """
 
 from __future__ import annotations
