@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -243,7 +244,8 @@ def test_default_model_end_to_end(gemma_path):
 
 
 @pytest.mark.gemma
-def test_ctrl_c_keeps_the_text_and_exits_130(gemma_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "SIGTERM"])
+def test_ctrl_c_keeps_the_text_and_exits_130(gemma_path, sig):
     proc = subprocess.Popen(
         [sys.executable, "-m", "specli", "run", "Write a very long story about a dragon.", "--max-tokens", "4000",
          "--target-only"],
@@ -251,13 +253,31 @@ def test_ctrl_c_keeps_the_text_and_exits_130(gemma_path):
     )
     first = proc.stdout.read(20)  # wait until text is streaming
     assert first
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     rest, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert b"Traceback" not in err
     assert b"stop: interrupted" in err
     assert len(first + rest) >= 20  # the text streamed before Ctrl-C stays
     (first + rest).decode("utf-8")  # and is whole UTF-8
+
+
+@pytest.mark.gemma
+def test_sigterm_keeps_the_json_of_what_was_generated(gemma_path):
+    # What `timeout`, `kill` and `docker stop` send: the JSON still comes, marked interrupted.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specli", "run", "Write a very long story about a dragon.", "--max-tokens", "4000",
+         "--target-only", "--json", "--temp", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    time.sleep(8)  # the model loads in about a second; 4000 tokens take a minute or more
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    result = json.loads(out)
+    assert result["stop_reason"] == "interrupted" and result["n_tokens"] > 0
+    assert b"Traceback" not in err
 
 
 def test_no_arguments_prints_the_help():

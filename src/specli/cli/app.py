@@ -1,7 +1,8 @@
 """The `specli` command line: the Typer app, --version, and main(), which turns every failure
 into one line on stderr and an exit code.
 
-Exit codes: 0 success, 1 runtime failure, 2 bad usage or input, 130 interrupted (Ctrl-C).
+Exit codes: 0 success, 1 runtime failure, 2 bad usage or input, 130 interrupted (Ctrl-C, or SIGTERM
+once llama.cpp is loaded).
 Each command group has its own module (run, chat, batch, bench, models: models, pull, fit,
 cache) with its own Typer object, added to `app` here; none of them imports this module.
 """

@@ -7,6 +7,7 @@ the rest of specli never imports it.
 from __future__ import annotations
 
 import ipaddress
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -47,8 +48,10 @@ def serve_command(
     /v1/models, /health), drafting as `run` does. Ctrl-C or SIGTERM stops it cleanly."""
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
     check_parallel(parallel, memory.n_ctx)
+    if api_key is None and os.environ.get("SPECLI_API_KEY") is not None:
+        api_key = os.environ["SPECLI_API_KEY"]  # (set but empty: the option parser drops it as unset)
     if api_key is not None and not api_key.strip():
-        raise UsageError("--api-key is empty; give a key, or leave the option out")
+        raise UsageError("--api-key (or SPECLI_API_KEY) is empty: every request would be let in; give a key, or unset it")
     try:
         from specli.server import app as server_app
     except ImportError as err:

@@ -27,7 +27,7 @@ import llama_cpp
 from specli.errors import ModelFileError, SpecliError
 from specli.llama.devices import default_threads
 from specli.llama.native import (
-    amx_kernels, clear_native_log, ensure_backend, interrupt_requested, last_native_error, native, progress_callback,
+    clear_native_log, ensure_backend, interrupt_requested, last_native_error, native, progress_callback, warn_about_amx,
 )  # fmt: skip
 from specli.models.header import check_model_header
 
@@ -120,8 +120,7 @@ class LlamaModel:
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         mparams.progress_callback = progress_callback  # cancels the load on Ctrl-C
-        if amx_kernels():
-            mparams.use_extra_bufts = False  # (AMX weight buffers crash: native.amx_kernels)
+        warn_about_amx()
         fields = dict(llama_cpp.llama_model_params._fields_)
         if devices is not None:  # a NULL-terminated array, read during the load only
             device_array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)

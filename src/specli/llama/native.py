@@ -7,6 +7,7 @@ import collections
 import ctypes
 import os
 import signal
+import sys
 import threading
 
 import llama_cpp
@@ -75,9 +76,15 @@ def _on_sigint(signum, frame) -> None:
 
 def _install_sigint_handler() -> None:
     """Take over SIGINT, only where it has Python's default handler (a program that set its
-    own keeps it) and only from the main thread (the only one that may)."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    own keeps it) and only from the main thread (the only one that may); and SIGTERM (what
+    `kill`, `timeout` and `docker stop` send) where nothing handles it, so that it ends a
+    generation as Ctrl-C does, keeping what was produced (`serve` installs its own later)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _on_sigint)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigint)
 
 
 def interrupt_requested() -> bool:
@@ -129,16 +136,22 @@ def ensure_backend() -> None:
     init_backend(verbose=_verbose)
 
 
-def amx_kernels() -> bool:
-    """Whether this llama.cpp was built with its AMX kernels (a -march=native build on a CPU
-    that reports AMX). Those of llama-cpp-python 0.3.36 die with SIGILL on such machines
-    (seen here on an Intel Xeon VM; ggml-org/llama.cpp#26954): specli keeps weights out of
-    llama.cpp's extra buffer types there (LlamaModel), unless SPECLI_AMX=1. docs/install.md
-    gives the build without AMX, which keeps the CPU's other kernels."""
-    if os.environ.get("SPECLI_AMX") == "1":
-        return False
-    info = llama_cpp.llama_print_system_info()
-    return b"AMX_INT8 = 1" in (info or b"")
+_amx_warned = False
+
+
+def warn_about_amx() -> None:
+    """Once per process, one line on stderr when this llama.cpp was built with its AMX kernels
+    (a -march=native build on a CPU that reports AMX): those of llama-cpp-python 0.3.36 die with
+    SIGILL at the first batch of a quantized model on such machines (seen here on an Intel
+    Xeon VM; ggml-org/llama.cpp#26954), and without them llama.cpp's other kernels run 30x
+    slower in that build. docs/install.md builds it without AMX. SPECLI_AMX=1 silences it."""
+    global _amx_warned
+    if _amx_warned or os.environ.get("SPECLI_AMX") == "1":
+        return
+    _amx_warned = True
+    if b"AMX_INT8 = 1" in (llama_cpp.llama_print_system_info() or b""):
+        print("specli: warning: llama-cpp-python was built with llama.cpp's AMX kernels, which crash (SIGILL) on many "
+              "machines; rebuild it without them: see docs/install.md (SPECLI_AMX=1 hides this)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 # --- ggml's own libraries ---------------------------------------------------------------------

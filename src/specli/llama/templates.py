@@ -6,7 +6,10 @@ A model's own template is read by LlamaModel.chat_template().
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import sys
+import time
 from typing import Sequence
 
 import jinja2
@@ -59,6 +62,38 @@ class TemplateRenderError(Exception):
         self.unsafe = unsafe
 
 
+RENDER_SECONDS = 5.0  # a template renders in well under a millisecond a message
+RENDER_GROWTH = 8  # ... and writes its messages plus some scaffolding, not this many times more
+
+
+class _RenderTimeout(Exception):
+    """A template ran past its deadline (raised from the trace function, inside the template)."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Raise _RenderTimeout inside the code running in this thread once `seconds` have passed:
+    Jinja compiles a template to Python, whose every line a trace function sees (a loop that
+    writes nothing included), and an exception it raises stops the template there. The
+    thread's own trace function (a debugger, coverage) is put back after."""
+    end = time.monotonic() + seconds
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        count += 1
+        if count % 1024 == 0 and time.monotonic() > end:
+            raise _RenderTimeout()
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
 class _TemplateRaised(Exception):
     """raise_exception() called by the template itself (e.g. "roles must alternate")."""
 
@@ -101,12 +136,26 @@ class JinjaTemplate:
 
     def render(self, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True) -> str:
         """The (role, content) messages as text, ending with the opening of the assistant's turn
-        when add_assistant. Raises TemplateRenderError for whatever stops the template."""
+        when add_assistant. Raises TemplateRenderError for whatever stops the template, and for
+        a template that runs past RENDER_SECONDS or writes past RENDER_GROWTH times what it was
+        given (a template is code: it may loop for ever, or build a gigabyte)."""
+        limit = RENDER_GROWTH * (sum(len(content) for _, content in messages) + 4096)
         try:
-            return self._template.render(
-                messages=[{"role": role, "content": content} for role, content in messages],
-                bos_token=self.bos_token, eos_token=self.eos_token, add_generation_prompt=add_assistant,
-            )  # fmt: skip
+            with _deadline(RENDER_SECONDS):
+                out, size = [], 0
+                for piece in self._template.generate(
+                    messages=[{"role": role, "content": content} for role, content in messages],
+                    bos_token=self.bos_token, eos_token=self.eos_token, add_generation_prompt=add_assistant,
+                ):  # fmt: skip
+                    size += len(piece)
+                    if size > limit:
+                        raise TemplateRenderError(f"the template wrote over {limit:,} characters for {len(messages)} message(s); it is not a chat template")
+                    out.append(piece)
+            return "".join(out)
+        except TemplateRenderError:
+            raise
+        except _RenderTimeout:
+            raise TemplateRenderError(f"the template ran for over {RENDER_SECONDS:g} s without finishing; it is not a chat template") from None
         except SecurityError as err:
             raise TemplateRenderError(f"the sandbox refused it: {err}", unsafe=True) from None
         except _TemplateRaised as err:

@@ -134,12 +134,23 @@ def cached_snapshot(repo: str) -> Path | None:
     from huggingface_hub.file_download import repo_folder_name
 
     folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model")
+    commit = _commit(folder / "refs" / "main")
+    snapshot = folder / "snapshots" / commit if commit else None
+    return snapshot if snapshot is not None and snapshot.is_dir() else None
+
+
+def _commit(ref: Path) -> str | None:
+    """The commit a cache's ref names, or None when there is no such ref or it is damaged: only
+    a regular file is read (a FIFO would block), a few bytes of it, and only a hexadecimal
+    commit name is taken (one like "/" or "../.." would lead the listing out of the cache)."""
     try:
-        commit = (folder / "refs" / "main").read_text().strip()
-    except OSError:
+        if not ref.is_file():
+            return None
+        with ref.open("rb") as handle:
+            text = handle.read(128).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
         return None
-    snapshot = folder / "snapshots" / commit
-    return snapshot if snapshot.is_dir() else None
+    return text if re.fullmatch(r"[0-9a-f]{7,64}", text) else None
 
 
 def cached_files(repo: str) -> list[str]:

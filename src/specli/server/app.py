@@ -159,7 +159,10 @@ class Service:
             return
         given = http.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        # Header bytes reach us decoded as Latin-1 (ASGI): back to the bytes sent, against the
+        # key's UTF-8 bytes, so a key with non-ASCII characters sent as UTF-8 is the same key.
+        sent = token.strip().encode("latin-1", errors="replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, key.encode("utf-8")):
             raise ApiError(401, "invalid or missing API key: send the server's --api-key as 'Authorization: Bearer KEY'",
                            code="invalid_api_key", kind="authentication_error")  # fmt: skip
 
@@ -236,6 +239,8 @@ async def _read_json(http: HttpRequest) -> Any:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the request body is not valid JSON ({err})") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is JSON nested too deeply") from None
 
 
 async def _next_or_disconnect(events: asyncio.Queue, http: HttpRequest):
@@ -258,7 +263,7 @@ async def _disconnected(http: HttpRequest) -> None:
 
 
 # --- the app and the server -------------------------------------------------------------------------
-def make_app(service: Service) -> Starlette:
+def make_app(service: Service):
     async def api_error(_request, err: ApiError) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
@@ -281,7 +286,27 @@ def make_app(service: Service) -> Starlette:
         Route("/chat/completions", service.chat, methods=["POST"]),
         Route("/completions", service.completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal})
+    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal})
+    return framing_guard(app)
+
+
+def framing_guard(app):
+    """Refuse at once, before any body is read, a request that gives both Content-Length and
+    Transfer-Encoding: the two framings disagree on where the body ends (the shape of request
+    smuggling), and waiting for either one only hangs the connection."""
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http":
+            names = {name.lower() for name, _ in scope.get("headers", ())}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                body = json.dumps(ApiError(400, "the request gives both Content-Length and Transfer-Encoding; send one").body()).encode()
+                await send({"type": "http.response.start", "status": 400, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})  # fmt: skip
+                await send({"type": "http.response.body", "body": body})
+                return
+        await app(scope, receive, send)
+
+    return guarded
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -10,6 +10,7 @@ silently dropped. Every refusal is an ApiError: status, message, and the field a
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ CHAT = "chat.completion"
 TEXT = "text_completion"
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; llama-server any)
+MAX_STOP_CHARS = 1024  # characters per stop string (each is searched for at every character generated)
+LARGEST = 2**63  # integers of a request are below this in size (a seed, a token count, a token id)
 
 # The sampling fields a request may set (bool is refused where a number is wanted: True is 1 in
 # Python, never in intent); the seed is read on its own (-1: a fresh one).
@@ -68,24 +71,44 @@ class Request:
 def _number(body: dict, name: str, kind: type) -> Any:
     value = body[name]
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and isinstance(value, int) and abs(value) >= LARGEST:
+        raise ApiError(400, f"'{name}' is out of range (at most {LARGEST - 1:,} in size)", param=name)
+    if ok and not math.isfinite(value):
+        ok = False
     if kind is int:
         ok = ok and float(value).is_integer()
     if not ok:
-        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=name)
+        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a finite number'}, got {_shown(value)}", param=name)
     return kind(value)
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message may quote it: short, and printable."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _text(value: str, name: str) -> str:
+    """A string of the request, which must be valid Unicode (JSON's \\ud800 escapes can make a
+    lone surrogate, which no tokenizer or response can encode)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{name}' holds a lone surrogate (\\ud800-\\udfff), which is not valid Unicode text", param=name) from None
+    return value
 
 
 def _text_content(content: Any, where: str) -> str:
     """A message's content: a string, or a list of text parts (joined); images are refused."""
     if isinstance(content, str):
-        return content
+        return _text(content, "messages")
     if isinstance(content, list):
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ApiError(400, f"{where}: only text content parts are supported, got {kind!r}", param="messages")
-            parts.append(part["text"])
+                raise ApiError(400, f"{where}: only text content parts are supported, got {_shown(kind)}", param="messages")
+            parts.append(_text(part["text"], "messages"))
         return "".join(parts)
     raise ApiError(400, f"{where}: 'content' must be a string or a list of text parts", param="messages")
 
@@ -116,8 +139,10 @@ def _prompt(value: Any) -> tuple[Optional[str], Optional[list[int]]]:
     if isinstance(value, str):
         if not value:
             raise ApiError(400, "'prompt' is empty; give some text to continue", param="prompt")
-        return value, None
+        return _text(value, "prompt"), None
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if any(not 0 <= t < LARGEST for t in value):
+            raise ApiError(400, "'prompt' holds a token id out of range", param="prompt")
         return None, list(value)
     if isinstance(value, list) and len(value) > 1:
         raise ApiError(400, "one prompt per request; send the others as their own requests", param="prompt")
@@ -132,7 +157,9 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise ApiError(400, "'stop' must be a non-empty string or a list of them", param="stop")
     if len(stops) > MAX_STOP:
         raise ApiError(400, f"'stop' holds {len(stops)} strings; at most {MAX_STOP}", param="stop")
-    return tuple(stops)
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"'stop' holds a string over {MAX_STOP_CHARS} characters", param="stop")
+    return tuple(_text(s, "stop") for s in stops)
 
 
 def parse_request(body: Any, kind: str, defaults: SamplingParams) -> Request:
@@ -157,6 +184,8 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> Request:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", param="model")
+    if model is not None:
+        _text(model, "model")
 
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens", "n_predict"):

@@ -150,8 +150,13 @@ def _parse_line(number: int, raw: bytes, fmt: str, sampling: SamplingParams, max
         return Item(number, number, prompt, max_tokens, sampling, messages=_as_chat(prompt, system) if chat else None, stop=stop)
     try:
         obj = json.loads(text)
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")  # (a JSON \ud800 escape decodes to a lone surrogate)
     except json.JSONDecodeError as err:
         return LineError(number, number, f"invalid JSON at column {err.colno}: {err.msg}")
+    except RecursionError:
+        return LineError(number, number, "the line is JSON nested too deeply")
+    except UnicodeEncodeError:
+        return LineError(number, number, "the line holds a lone surrogate escape (\\ud800-\\udfff), which is not valid Unicode text")
     if not isinstance(obj, dict):
         return LineError(number, number, 'the line is JSON but not an object; write {"prompt": "..."}')
     item_id = obj.get("id", number)

@@ -143,6 +143,8 @@ def save_policy_state(path: Path, saved: policy_store.Saved) -> None:
     """Write atomically (concurrent runs never see half a file); a cache that cannot be written
     only costs the next run its head start."""
     try:
+        if path.exists() and not path.is_file():
+            return  # a FIFO or a device in its place would be written in place, and a FIFO blocks
         text = policy_store.dumps(saved)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, [text])

@@ -1,0 +1,194 @@
+"""Hostile or unlucky input is answered as bad input, never as "a bug in specli", and never
+hangs (issue 33): numbers out of range, lone surrogates, JSON nested too deeply, stop strings
+too long, both HTTP framings in one request, an empty or non-ASCII API key (serve); the same
+text faults in a batch item; a FIFO where the policy file or a Hugging Face ref should be.
+No model needed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from specli.decoding.sampling import SamplingParams
+from specli.server.protocol import CHAT, TEXT, ApiError, parse_request
+from specli.session.batch import LineError, _parse_line
+from test_cli import assert_one_line_error, specli
+
+DEFAULTS = SamplingParams()
+HUGE = 10**400
+LONE = json.loads('"a\\ud800b"')  # what a JSON body's \ud800 escape decodes to
+
+
+def refused(body: dict, kind: str = TEXT) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parse_request(body, kind, DEFAULTS)
+    assert caught.value.status == 400
+    return caught.value
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "temperature", "seed", "top_k", "n_predict"])
+def test_a_number_out_of_any_range_is_a_400_naming_its_field(field):
+    err = refused({"prompt": "hi", field: HUGE})
+    assert err.param == field and len(err.message) < 200
+    assert refused({"prompt": "hi", field: -HUGE}).param == field
+
+
+def test_token_ids_out_of_range_are_refused():
+    assert refused({"prompt": [1, 2, HUGE]}).param == "prompt"
+    assert refused({"prompt": [1, -5]}).param == "prompt"
+
+
+@pytest.mark.parametrize("body, kind, field", [
+    ({"prompt": LONE}, TEXT, "prompt"),
+    ({"prompt": "hi", "model": LONE}, TEXT, "model"),
+    ({"prompt": "hi", "stop": ["ok", LONE]}, TEXT, "stop"),
+    ({"messages": [{"role": "user", "content": LONE}]}, CHAT, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]}, CHAT, "messages"),
+])  # fmt: skip
+def test_a_lone_surrogate_is_a_400_naming_its_field(body, kind, field):
+    err = refused(body, kind)
+    assert err.param == field and "surrogate" in err.message
+
+
+def test_a_stop_string_too_long_to_search_is_refused():
+    assert refused({"prompt": "hi", "stop": ["x" * 2000]}).param == "stop"
+    assert parse_request({"prompt": "hi", "stop": ["x" * 1000]}, TEXT, DEFAULTS).stop == ("x" * 1000,)
+
+
+class FakeHttp:
+    """What _read_json and _check_key read of a Starlette request."""
+
+    def __init__(self, body: bytes = b"", headers: dict | None = None):
+        self.body, self.headers = body, headers or {}
+
+    async def stream(self):
+        yield self.body
+
+
+def test_json_nested_too_deeply_is_a_400():
+    pytest.importorskip("starlette")
+    from specli.server.app import _read_json
+
+    for deep in ("[" * 100_000 + "]" * 100_000, '{"x": ' + "[" * 100_000 + "]" * 100_000 + ', "prompt": "hi"}'):
+        with pytest.raises(ApiError) as caught:
+            asyncio.run(_read_json(FakeHttp(deep.encode())))
+        assert caught.value.status == 400 and "nested" in caught.value.message
+
+
+def test_a_non_ascii_api_key_sent_as_utf8_is_the_key():
+    pytest.importorskip("starlette")
+    from specli.server.app import Service
+
+    class Settings:
+        api_key = "clé-secrète-ключ"
+
+    server = Service.__new__(Service)
+    server.settings = Settings()
+    sent = "Bearer " + Settings.api_key.encode("utf-8").decode("latin-1")  # as an ASGI server hands it over
+    server._check_key(FakeHttp(headers={"authorization": sent}))
+    with pytest.raises(ApiError) as caught:
+        server._check_key(FakeHttp(headers={"authorization": "Bearer cle-secrete"}))
+    assert caught.value.status == 401
+
+
+def test_an_empty_api_key_from_the_environment_is_refused_at_start_up(tmp_path):
+    result = specli("serve", "-m", str(tmp_path / "absent.gguf"), env={"SPECLI_API_KEY": ""})
+    assert_one_line_error(result, 2, "SPECLI_API_KEY", "empty")
+
+
+@pytest.mark.parametrize("line, words", [
+    (b'{"prompt": "a\\ud800b"}', "surrogate"),
+    (b'{"prompt": "hi", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+])  # fmt: skip
+def test_a_batch_item_with_bad_text_is_bad_input_not_a_bug(line, words):
+    entry = _parse_line(1, line, "jsonl", DEFAULTS, 16)
+    assert isinstance(entry, LineError) and words in entry.error
+
+
+def test_a_request_with_both_framings_is_refused_before_its_body():
+    pytest.importorskip("starlette")
+    from specli.server.app import framing_guard
+
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope)
+
+    async def receive():
+        raise AssertionError("the body must not be read")
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"host", b"x"), (b"Content-Length", b"10"), (b"Transfer-Encoding", b"chunked")]
+    asyncio.run(framing_guard(app)({"type": "http", "headers": headers}, receive, send))
+    assert not reached and sent[0]["status"] == 400 and (b"connection", b"close") in sent[0]["headers"]
+    asyncio.run(framing_guard(app)({"type": "http", "headers": headers[:2]}, receive, send))
+    assert len(reached) == 1  # one framing: through
+
+
+def test_a_fifo_in_place_of_the_policy_file_never_blocks_the_save(tmp_path):
+    import os
+    import threading
+
+    from specli.decoding.policy.store import Saved
+    from specli.session.loading import read_policy_file, save_policy_state
+
+    fifo = tmp_path / "policy.json"
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def save():
+        save_policy_state(fifo, Saved(passes={}, saved_at=0.0))
+        done.set()
+
+    threading.Thread(target=save, daemon=True).start()
+    assert done.wait(5), "saving onto a FIFO blocked"
+    assert read_policy_file(fifo) is None  # and reading it neither blocks nor counts as a state
+
+
+@pytest.mark.parametrize("ref", ["fifo", "/", "../../..", "garbage \xff\xfe", ""])
+def test_a_damaged_hugging_face_ref_is_skipped_without_blocking(tmp_path, monkeypatch, ref):
+    import os
+
+    from huggingface_hub import constants
+
+    from specli.models import hub
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    good = tmp_path / "models--user--good"
+    (good / "refs").mkdir(parents=True)
+    (good / "refs" / "main").write_text("0123456789abcdef0123456789abcdef01234567")
+    (good / "snapshots" / "0123456789abcdef0123456789abcdef01234567").mkdir(parents=True)
+    (good / "snapshots" / "0123456789abcdef0123456789abcdef01234567" / "m-Q4_K_M.gguf").write_bytes(b"GGUF")
+    bad = tmp_path / "models--user--bad" / "refs"
+    bad.mkdir(parents=True)
+    if ref == "fifo":
+        os.mkfifo(bad / "main")
+    else:
+        (bad / "main").write_bytes(ref.encode("latin-1"))
+    assert hub.cached_snapshot("user/bad") is None
+    assert [r for r, _, _ in hub.cached_ggufs()] == ["user/good"]
+
+
+@pytest.mark.parametrize("source, words", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x", "ran for over"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{{ 'ab' }}{% endfor %}{% endfor %}", "wrote over"),
+    # (a string doubled in a loop: stopped by whichever bound it meets first)
+    ("{% set s = namespace(t='x') %}{% for i in range(40) %}{% set s.t = s.t ~ s.t %}{% endfor %}{{ s.t }}", "over"),
+])  # fmt: skip
+def test_a_template_is_bounded_in_time_and_size(source, words, monkeypatch):
+    import time
+
+    from specli.llama import templates
+
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 1.0)
+    template = templates.JinjaTemplate(source, bos_token="<s>", eos_token="</s>")
+    t0 = time.monotonic()
+    with pytest.raises(templates.TemplateRenderError) as caught:
+        template.render([("user", "hi")])
+    assert words in str(caught.value) and time.monotonic() - t0 < 10
+    ok = templates.JinjaTemplate("{% for m in messages %}{{ m.content }}{% endfor %}", bos_token="", eos_token="")
+    assert ok.render([("user", "hi")]) == "hi"
