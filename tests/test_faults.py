@@ -341,6 +341,18 @@ def test_chat_stops_reading_an_endless_line_at_the_stated_limit(pair_perturbed):
     assert result.returncode == 0, result.stderr
 
 
+def test_chat_refuses_binary_input_instead_of_answering_it_line_by_line(pair_perturbed, tmp_path):
+    target = str(pair_perturbed[0])
+    chat = ["chat", "-m", target, *ONE, "-q", "--max-tokens", "3", "--temperature", "0"]
+    # 1 MiB of every byte value in turn, so a newline every 256 bytes: line 2 is bytes 0-9 (text),
+    # line 3 runs from byte 11, and byte 0x80 is the first that is not UTF-8.
+    (tmp_path / "noise").write_bytes(b"hello\n" + bytes(range(256)) * 4096)
+    with open(tmp_path / "noise", "rb") as noise:
+        result = specli_with(chat, stdin=noise)
+    assert result.returncode == 2 and result.stdout != b"", result.stderr  # the text lines were answered
+    one_line(result.stderr, "line 3 of stdin is not UTF-8 text (bad byte at column 118)")
+
+
 def test_parallel_and_gpu_layers_beyond_their_maximum_are_refused(pair_perturbed):
     target = str(pair_perturbed[0])
     for value in (str(2**32 + 2), "257", "0"):

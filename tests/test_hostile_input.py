@@ -176,8 +176,12 @@ def test_a_damaged_hugging_face_ref_is_skipped_without_blocking(tmp_path, monkey
 @pytest.mark.parametrize("source, words", [
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x", "ran for over"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{{ 'ab' }}{% endfor %}{% endfor %}", "wrote over"),
-    # (a string doubled in a loop: stopped by whichever bound it meets first)
-    ("{% set s = namespace(t='x') %}{% for i in range(40) %}{% set s.t = s.t ~ s.t %}{% endfor %}{{ s.t }}", "over"),
+    # a gigabyte in one step, before any deadline or output cap could see it
+    ("{% set s = 'a' * 1000000000 %}{{ s | length }}", "builds a value of over"),
+    ("{% set s = ['a'] * 1000000000 %}{{ s | length }}", "builds a value of over"),
+    ("{{ (10 ** 1000000000) | string | length }}", "builds a value of over"),
+    # a string doubled in a loop: each step is small, the memory is not
+    ("{% set s = namespace(t='x') %}{% for i in range(40) %}{% set s.t = s.t ~ s.t %}{% endfor %}{{ s.t }}", "MiB of memory"),
 ])  # fmt: skip
 def test_a_template_is_bounded_in_time_and_size(source, words, monkeypatch):
     import time
@@ -185,6 +189,7 @@ def test_a_template_is_bounded_in_time_and_size(source, words, monkeypatch):
     from specli.llama import templates
 
     monkeypatch.setattr(templates, "RENDER_SECONDS", 1.0)
+    monkeypatch.setattr(templates, "RENDER_MEMORY", 64 << 20)
     template = templates.JinjaTemplate(source, bos_token="<s>", eos_token="</s>")
     t0 = time.monotonic()
     with pytest.raises(templates.TemplateRenderError) as caught:
@@ -192,3 +197,29 @@ def test_a_template_is_bounded_in_time_and_size(source, words, monkeypatch):
     assert words in str(caught.value) and time.monotonic() - t0 < 10
     ok = templates.JinjaTemplate("{% for m in messages %}{{ m.content }}{% endfor %}", bos_token="", eos_token="")
     assert ok.render([("user", "hi")]) == "hi"
+
+
+@pytest.mark.parametrize("args", [["cache"], ["cache", "--json"], ["cache", "--clear"]])
+def test_a_cache_folder_that_cannot_be_read_is_an_error_not_zero_files(tmp_path, monkeypatch, capsys, args):
+    # Unreadable as a user would find it (a root test process reads any folder: the refusal is
+    # made where the listing happens).
+    import os
+
+    from specli.cli.app import _main
+
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "policy-x.json").write_text("{}")
+    monkeypatch.setenv("SPECLI_CACHE_DIR", str(folder))
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if os.fspath(path) == str(folder):
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    assert _main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot read the cache folder {folder}: Permission denied" in err
+    assert (folder / "policy-x.json").exists()

@@ -335,7 +335,20 @@ def test_unreachable_hub_without_the_file(env, hub, tmp_path):
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     result = pull(env, "pair", HF_ENDPOINT=f"http://127.0.0.1:{dead}")
-    assert_one_line_error(result, 1, "cannot reach", "not in the cache")
+    assert_one_line_error(result, 1, "cannot reach", "refuses connections", "not in the cache")
+    assert result.stderr.count("\n") == 1, result.stderr  # not the hub client's 5 retries, a line each
+
+
+def test_a_hub_that_accepts_and_never_answers_is_one_line_after_its_timeout(env):
+    import socket
+
+    with socket.socket() as silent:  # listening: the kernel completes the connection, nobody answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        result = pull(env, "pair", HF_ENDPOINT=f"http://127.0.0.1:{port}", SPECLI_HUB_TIMEOUT="1")
+    assert_one_line_error(result, 1, "cannot reach", "did not answer within 1 s", "SPECLI_HUB_TIMEOUT", "not in the cache")
+    assert result.stderr.count("\n") == 1, result.stderr
 
 
 def test_unreachable_hub_with_the_file_cached_exits_0(env, hub):

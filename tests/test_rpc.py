@@ -129,6 +129,138 @@ def test_a_server_killed_mid_generation_is_one_line_exit_1_and_the_text_so_far_i
     assert len(first + rest) >= 8  # what was streamed before the loss stays on stdout
 
 
+@pytest.mark.parametrize("command", ["run", "fit"])
+def test_a_peer_that_accepts_and_never_answers_is_one_line_exit_1(pair, command):
+    import socket
+
+    target, _ = pair
+    with socket.socket() as silent:  # listening: the kernel completes the connection, nobody answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        args = ["-n", "4", "hi"] if command == "run" else []
+        result = specli(command, "-m", str(target), "--rpc", endpoint, "--rpc-timeout", "1", *args, timeout=60)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{endpoint} accepted the connection but did not answer within 1 s" in lines[0], result.stderr
+
+
+def test_ctrl_c_while_a_silent_peer_is_asked_for_its_handshake_is_one_line_exit_130(pair):
+    import socket
+
+    target, _ = pair
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        proc = subprocess.Popen([sys.executable, "-m", "specli", "run", "-m", str(target), "--rpc", f"127.0.0.1:{silent.getsockname()[1]}",
+                                 "--rpc-timeout", "600", "-n", "4", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        try:
+            silent.settimeout(60)
+            conn, _ = silent.accept()  # specli is connected ...
+            with conn:
+                conn.settimeout(60)
+                assert conn.recv(1) == bytes([14])  # ... and has asked for the handshake (HELLO)
+                proc.send_signal(signal.SIGINT)
+                out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 130, err
+    assert err.decode().strip().count("\n") == 0 and "Traceback" not in err.decode(), err
+
+
+def stalled_run(target, endpoint: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "specli", "run", "-m", str(target), "--target-only", "--temperature", "0", "-n", "5000", "-c", "4096",
+         "--threads", "1", "-q", "-ngl", "3", "--rpc", endpoint, *extra, "Once upon a time"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["timeout", "ctrl-c"])
+def test_a_server_that_stops_answering_mid_generation_ends_the_run(pair, tmp_path, how):
+    # SIGSTOP: the server's machine froze, or the route dropped; its connection stays open.
+    target, _ = pair
+    with rpc_servers(1, log_dir=tmp_path) as started:
+        endpoint, server = started[0]
+        proc = stalled_run(target, endpoint, "--rpc-timeout", "2" if how == "timeout" else "600")
+        first = proc.stdout.read(8)  # the generation streams: text is coming through the server
+        server.send_signal(signal.SIGSTOP)
+        try:
+            if how == "ctrl-c":
+                time.sleep(1)
+                proc.send_signal(signal.SIGINT)
+            rest, err = proc.communicate(timeout=60)
+        finally:
+            server.send_signal(signal.SIGCONT)
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1, err
+    if how == "timeout":
+        assert proc.returncode == 1 and lines[0].startswith("specli: error: no answer from the RPC server(s) at " + endpoint), err
+        assert "for 2 s" in lines[0]
+    else:
+        assert proc.returncode == 130 and "interrupted" in lines[0] and endpoint in lines[0], err
+    assert len(first + rest) >= 8  # what was streamed before the stall stays on stdout
+
+
+@pytest.mark.slow
+def test_serve_over_a_server_that_stops_answering_says_503_then_stops(pair, tmp_path):
+    import re
+    import threading
+
+    try:
+        import httpx2 as httpx  # the HTTP library of openai 3.x
+    except ImportError:  # openai 1.x and 2.x use httpx
+        import httpx
+
+    target, _ = pair
+    log = tmp_path / "serve.stderr"
+    with rpc_servers(1, log_dir=tmp_path) as started:
+        endpoint, server = started[0]
+        with open(log, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "specli", "serve", "-m", str(target), "--target-only", "-c", "4096", "--threads", "1", "-ngl", "3",
+                 "--rpc", endpoint, "--rpc-timeout", "2", "--port", "0"], stdout=subprocess.DEVNULL, stderr=err,
+            )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while not (found := re.search(r"listening on (http://[\d.]+:\d+)", log.read_text())):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            url = found.group(1)
+            chunks: list[bytes] = []
+
+            def stream() -> None:
+                body = {"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0, "stream": True}
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+                    for chunk in response.iter_bytes():
+                        chunks.append(chunk)
+
+            streamer = threading.Thread(target=stream, daemon=True)
+            streamer.start()
+            while len(chunks) < 3:  # text is coming through the server
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            server.send_signal(signal.SIGSTOP)
+            while (health := httpx.get(f"{url}/health", timeout=30)).status_code == 200:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            assert health.status_code == 503 and f"no answer from the RPC server(s) at {endpoint}" in health.json()["error"]
+            later = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+            assert later.status_code == 503
+            assert proc.wait(60) == 1
+            streamer.join(30)
+        finally:
+            server.send_signal(signal.SIGCONT)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    assert b"no answer from the RPC server" in b"".join(chunks)  # the stream was told, not cut
+    lines = log.read_text().strip().splitlines()
+    assert lines[-1].startswith("specli: error: no answer from the RPC server(s) at " + endpoint), lines
+
+
 # --- fit --rpc's arithmetic (pure) -----------------------------------------------------------------
 def test_layers_are_dealt_as_llama_cpp_deals_them():
     from specli.models.fit import layers_by_share

@@ -489,6 +489,27 @@ def test_sigterm_ends_a_running_stream_and_fails_a_queued_request(gemma_path, tm
 
 
 @pytest.mark.slow
+def test_a_huge_header_is_431_and_slow_clients_do_not_hold_up_the_shutdown(gemma_path, tmp_path):
+    with serving(gemma_path, tmp_path, "--parallel", "1") as srv:
+        with socket.create_connection((srv.host, srv.port), timeout=WAIT_DEADLINE) as big:
+            big.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+            assert big.recv(64).startswith(b"HTTP/1.1 431")
+        slow = [socket.create_connection((srv.host, srv.port), timeout=WAIT_DEADLINE) for _ in range(3)]
+        try:
+            # idle; a body still coming; headers still coming
+            slow[1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            slow[2].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            srv.health()  # (the server has read what they sent)
+            srv.proc.send_signal(signal.SIGTERM)
+            assert srv.proc.wait(WAIT_DEADLINE) == 0, srv.stderr()
+        finally:
+            for conn in slow:
+                conn.close()
+    err = srv.stderr()
+    assert "specli serve: stopped" in err and "Traceback" not in err and "CancelledError" not in err and "Cancel " not in err, err
+
+
+@pytest.mark.slow
 def test_sigint_ends_a_running_plain_request_and_fails_a_queued_stream(gemma_path, tmp_path):
     with serving(gemma_path, tmp_path, "--lookup", "--parallel", "1") as srv:
         events, status = [], []

@@ -9,6 +9,7 @@ cache) with its own Typer object, added to `app` here; none of them imports this
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from specli.errors import EXIT_INTERRUPTED
@@ -87,6 +88,8 @@ def _main(argv: list[str] | None) -> int:
     if not args:
         args = ["--help"]  # `specli` alone: the help, not an error
     verbose = "--verbose" in args or "-v" in args
+    if not verbose:  # the hub client's retry lines; specli says what failed in one line
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     try:
         code = app(args=args, standalone_mode=False, prog_name="specli")
         code = code if isinstance(code, int) else 0

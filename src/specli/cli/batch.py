@@ -265,7 +265,7 @@ def _chat_renderer(model_tgt, template, entries, *, quiet: bool):
     cannot be used at all is a UsageError here, before any item runs."""
     if not any(isinstance(e, batch.Item) and e.messages is not None for e in entries):
         return None
-    from specli.session.chat import choose_formatter, encode
+    from specli.session.chat import choose_formatter, encode_conversation
 
     formatter, notice = choose_formatter(model_tgt, template)
     if notice and not quiet:
@@ -273,7 +273,7 @@ def _chat_renderer(model_tgt, template, entries, *, quiet: bool):
 
     def prepare(item: batch.Item) -> None:
         if item.messages is not None:
-            item.prompt_ids = encode(model_tgt, formatter.render(None, item.messages))
+            item.prompt_ids = encode_conversation(model_tgt, formatter, None, item.messages)
             item.stop = (*formatter.stop, *item.stop)  # plain turns end at the next "User:" line, as in chat
 
     return prepare

@@ -387,7 +387,7 @@ def _fit_rpc(est, machine, memory: Memory, *, json_out: bool) -> int:
     from specli.models import fit
 
     endpoints = memory.rpc_endpoints()
-    remote = rpc.add_servers(endpoints)
+    remote = rpc.add_servers(endpoints, memory.rpc_timeout)
     local = [rpc.device_memory(handle) for handle in rpc.local_accelerators()]
     # llama.cpp's order: the servers' devices, then the local GPUs (run --rpc splits so)
     devices = [(f"{d.endpoint} ({d.name})", d.free) for d in remote] + [(f"this machine ({name})", free) for name, free, _ in local]
@@ -509,6 +509,21 @@ def _ago(seconds: float) -> str:
     return "just now"
 
 
+def _cache_files(folder, *patterns: str) -> list:
+    """The files in the cache folder that match `patterns`, in order; none when there is no such
+    folder; SpecliError when it cannot be read (an empty listing would say "0 files" there)."""
+    import fnmatch
+
+    try:
+        with os.scandir(folder) as entries:
+            names = [e.name for e in entries]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as err:
+        raise SpecliError(f"cannot read the cache folder {folder}: {err.strerror or err}; check its permissions (or set SPECLI_CACHE_DIR)") from None
+    return [folder / name for name in sorted(names) if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+
+
 def cache_json(now: float) -> list[dict]:
     """Every policy file in the cache folder: what it is for and what it holds, or why it is
     ignored (the same check a run makes)."""
@@ -518,7 +533,7 @@ def cache_json(now: float) -> list[dict]:
 
     out = []
     folder = cache_dir()
-    for path in sorted(folder.glob("policy-*.json")) if folder.is_dir() else []:
+    for path in _cache_files(folder, "policy-*.json"):
         row: dict = {"file": str(path)}
         try:
             saved = read_policy_file(path)
@@ -602,7 +617,7 @@ def cache_cmd(
     if clear:
         folder = cache_dir()
         removed = 0
-        for path in [*folder.glob("policy-*.json"), *folder.glob(".policy-*.tmp")] if folder.is_dir() else []:
+        for path in _cache_files(folder, "policy-*.json", ".policy-*.tmp"):
             try:
                 path.unlink()
                 removed += 1

@@ -106,6 +106,7 @@ class Memory:
     rpc: Annotated[Optional[str], typer.Option("--rpc", metavar="HOST:PORT,...", help="Split the target's offloaded layers (-ngl) over these llama.cpp rpc-server machines too (before the local GPUs, as llama.cpp orders them). Unauthenticated: trusted networks only.")] = None
     tensor_split: Annotated[Optional[str], typer.Option("-ts", "--tensor-split", metavar="N,N,...", help="With --rpc: each device's share of the offloaded layers (the servers in order, then the local GPUs), e.g. 3,1.")] = None
     draft_rpc: Annotated[bool, typer.Option("--draft-rpc", help="With --rpc: put the draft model's offloaded layers on the same devices (default: it stays on this machine).")] = False
+    rpc_timeout: Annotated[float, typer.Option("--rpc-timeout", metavar="SECONDS", min=0.1, max=86400, help="With --rpc: how long to wait for a server to connect, to answer the handshake, and to answer a pass before giving up with one line (raise it for slow links or long prompts).")] = _CHOICE.rpc_timeout
 
     def check(self) -> None:
         """UsageError unless --ngl and --draft-ngl are -1 (all layers) or 0..MAX_NGL, and the
@@ -236,7 +237,7 @@ def model_choice(
     return ModelChoice(
         models.model, models.draft, models.lookup, drafting.target_only, drafting.n_draft,
         memory.n_ctx, memory.ngl, memory.draft_ngl, threads, sampling.params(seed),
-        rpc=memory.rpc_endpoints(), tensor_split=memory.split(), draft_rpc=memory.draft_rpc,
+        rpc=memory.rpc_endpoints(), tensor_split=memory.split(), draft_rpc=memory.draft_rpc, rpc_timeout=memory.rpc_timeout,
     )  # fmt: skip
 
 

@@ -107,12 +107,12 @@ def chat_prompt_ids(model, template: Optional[str], system: Optional[str], text:
     """The tokens of `text` as one user message (after `system`) in the chat template that
     `specli chat` would pick, with the assistant's turn opened; and the format's own stop
     strings (plain turns end where the model starts the next "User:" line, as in chat)."""
-    from specli.session.chat import choose_formatter, encode
+    from specli.session.chat import choose_formatter, encode_conversation
 
     formatter, notice = choose_formatter(model, template)
     if notice and not quiet:
         print(notice, file=sys.stderr)
-    return encode(model, formatter.render(system, [{"role": "user", "content": text}])), tuple(formatter.stop)
+    return encode_conversation(model, formatter, system, [{"role": "user", "content": text}]), tuple(formatter.stop)
 
 
 def read_prompt(prompt: Optional[str]) -> str:

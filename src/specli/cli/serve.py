@@ -74,6 +74,10 @@ def serve_command(
             settings = _settings(loaded, the_plan, models, choice, api_key, max_tokens, template, quiet)
             scheduler = Scheduler(loaded, n_seq=parallel, queue_limit=queue, n_threads=threads, describe=error_message, release_models=True)
             service = server_app.Service(scheduler, loaded.model_tgt, settings)
+            if choice.rpc:  # a stalled server: /health and the waiting requests get 503 before the exit
+                from specli.llama import rpc
+
+                rpc.on_stall(scheduler.stalled)
             bound_host, bound_port = server_app.address_of(sock)
 
             def ready() -> None:

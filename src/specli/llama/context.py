@@ -12,7 +12,7 @@ import llama_cpp
 from specli.errors import SettingError, SpecliError
 from specli.llama.devices import default_threads
 from specli.llama.model import FLASH_ATTN, KV_TYPES, LlamaModel, free_context, sync_cache
-from specli.llama.native import interrupt_requested, last_native_error, native
+from specli.llama.native import interrupt_requested, last_native_error, native, native_pass
 
 MIN_CTX = 16
 # llama.cpp keeps n_ctx in 32 bits (a larger -c would wrap around silently); 16M tokens is more
@@ -88,7 +88,9 @@ class MultiSequenceContext:
             self._decode_chunk(flat[start : start + self.n_batch], want_logits=logits == "all")
         if logits == "none" or not flat:
             return {}
-        out = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx), shape=(len(flat), self.n_vocab))
+        with native_pass:  # llama_decode returns before the pass is done: this waits for it
+            ptr = llama_cpp.llama_get_logits(self._ctx)
+        out = np.ctypeslib.as_array(ptr, shape=(len(flat), self.n_vocab))
         rows, row = {}, 0
         for seq, tokens in requests.items():  # rows come in batch order: sequence by sequence
             rows[seq] = out[row : row + len(tokens)]
@@ -104,7 +106,7 @@ class MultiSequenceContext:
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = seq
             batch.logits[i] = want_logits
-        with native:  # a Ctrl-C comes out after the bookkeeping
+        with native_pass:  # a Ctrl-C comes out after the bookkeeping
             status = llama_cpp.llama_decode(self._ctx, batch)
             if status != 0:
                 for seq in {seq for seq, _, _ in chunk}:  # drop what may have landed, keep `cached` true

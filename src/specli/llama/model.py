@@ -27,7 +27,8 @@ import llama_cpp
 from specli.errors import ModelFileError, SpecliError
 from specli.llama.devices import default_threads
 from specli.llama.native import (
-    clear_native_log, ensure_backend, interrupt_requested, last_native_error, native, progress_callback, warn_about_amx,
+    clear_native_log, ensure_backend, interrupt_requested, last_native_error, native, native_pass, progress_callback,
+    warn_about_amx,
 )  # fmt: skip
 from specli.models.header import check_model_header
 
@@ -179,6 +180,7 @@ class LlamaModel:
         # Logits of the newest cached token, when the latest eval produced them (else None).
         self._tail_logits: np.ndarray | None = None
         self._pieces: dict[int, bytes] = {}
+        self._longest: int | None = None
 
     # --- facts about the model ----------------------------------------------------------------
     @property
@@ -201,6 +203,19 @@ class LlamaModel:
     def token_text(self, token: int) -> bytes:
         """The vocabulary entry of `token` as stored in the GGUF (not rendered)."""
         return llama_cpp.llama_vocab_get_text(self._vocab, token) or b""
+
+    def is_control(self, token: int) -> bool:
+        """True for control tokens (a chat template's markers such as `<start_of_turn>`), which
+        tokenize() makes from their text only with parse_special."""
+        return bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
+
+    def longest_token_bytes(self) -> int:
+        """The most bytes of text one token can stand for (the longest stored entry, which is
+        never shorter than what it renders to): a text over n times this is over n tokens."""
+        if self._longest is None:
+            v = self._vocab
+            self._longest = max(1, max(len(llama_cpp.llama_vocab_get_text(v, t) or b"") for t in range(self.n_vocab)))
+        return self._longest
 
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, end-of-turn, ...)."""
@@ -254,7 +269,8 @@ class LlamaModel:
             rows = self._decode_chunk(chunk, want)
         if rows == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
-        ptr = llama_cpp.llama_get_logits(self._ctx)
+        with native_pass:  # llama_decode returns before the pass is done: this waits for it
+            ptr = llama_cpp.llama_get_logits(self._ctx)
         out = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
         self._tail_logits = out[-1:]
         return out
@@ -273,7 +289,7 @@ class LlamaModel:
             batch.logits[i] = logits == "all"
         if logits == "last":
             batch.logits[n - 1] = True
-        with native:  # a Ctrl-C comes out after the bookkeeping
+        with native_pass:  # a Ctrl-C comes out after the bookkeeping
             status = llama_cpp.llama_decode(self._ctx, batch)
             if status == 0:
                 self.cached.extend(chunk)

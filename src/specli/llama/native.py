@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import llama_cpp
 
@@ -117,6 +118,32 @@ class _NativeCall:
 
 
 native = _NativeCall()
+
+_pass_since: float | None = None  # when the decode running now began
+
+
+class _Pass(_NativeCall):
+    """`with native_pass:` around a llama_decode, or the read of its logits (which waits for
+    it): `native`, and the time it began, which the RPC watchdog (rpc.py) reads: a pass that
+    waits on a silent server never returns."""
+
+    def __enter__(self) -> None:
+        global _pass_since
+        _pass_since = time.monotonic()
+        super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        global _pass_since
+        _pass_since = None
+        super().__exit__(*exc)
+
+
+native_pass = _Pass()
+
+
+def pass_running_since() -> float | None:
+    """time.monotonic() when the running decode began; None between decodes."""
+    return _pass_since
 
 
 def init_backend(*, verbose: bool = False) -> None:

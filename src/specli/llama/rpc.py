@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
+import signal
 import socket
+import struct
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,13 +32,18 @@ import llama_cpp
 
 from specli.errors import SpecliError, UsageError
 from specli.llama.devices import device_memory, ggml
-from specli.llama.native import ensure_backend, ggml_library
+from specli.llama.native import ensure_backend, ggml_library, pass_running_since
 
 REINSTALL = (
     "this llama-cpp-python was built without RPC; reinstall it with: "
     "CMAKE_ARGS=\"-DGGML_RPC=on\" pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36"
 )
-CONNECT_TIMEOUT_S = 3.0
+RPC_TIMEOUT_S = 30.0  # --rpc-timeout's default: the wait for a connection, a handshake, a pass
+INTERRUPT_GRACE_S = 3.0  # after a Ctrl-C, how long a pass may still take before specli leaves it
+# The handshake of this llama.cpp's RPC client (ggml-rpc.cpp, protocol 7): the HELLO command,
+# then the 24 bytes of a client's transport capabilities (none); the server answers with its
+# version (major, minor, patch, padding) and its capabilities.
+_HELLO, _CAPS, _PROTO_MAJOR = 14, 24, 7
 
 
 @dataclass(frozen=True)
@@ -69,16 +79,42 @@ def check_supported() -> None:
         raise UsageError(f"--rpc needs llama.cpp's RPC backend, but {REINSTALL}")
 
 
-def check_reachable(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """UsageError unless something accepts a connection at `endpoint` within `timeout`
-    (llama.cpp itself would abort the process on a refused connection)."""
+def check_reachable(endpoint: str, timeout: float = RPC_TIMEOUT_S) -> None:
+    """Raise unless an rpc-server answers the handshake at `endpoint` within `timeout`: a refused
+    connection is a UsageError (llama.cpp itself would abort the process), a peer that accepts
+    and says nothing, or answers as something else, a SpecliError (llama.cpp would wait for it
+    for ever, deaf to Ctrl-C). The connection is closed after: a server takes the next one."""
     host, _, port = endpoint.partition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            pass
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
     except OSError as err:
         reason = "timed out" if isinstance(err, (socket.timeout, TimeoutError)) else (err.strerror or str(err))
         raise UsageError(f"cannot reach the RPC server at {endpoint} ({reason}); start rpc-server there (rpc-server -H HOST -p PORT) or fix --rpc") from None
+    with sock:
+        try:
+            sock.sendall(bytes([_HELLO]) + struct.pack("<Q", _CAPS) + bytes(_CAPS))
+            size = struct.unpack("<Q", _receive(sock, 8))[0]
+            version = _receive(sock, 4) if size == 4 + _CAPS else b""
+        except (socket.timeout, TimeoutError):
+            raise SpecliError(
+                f"the RPC server at {endpoint} accepted the connection but did not answer within {timeout:g} s (stalled, or busy "
+                "with another client: an rpc-server serves one at a time); --rpc-timeout SECONDS waits longer"
+            ) from None
+        except OSError as err:
+            raise SpecliError(f"the RPC server at {endpoint} closed the connection at the handshake ({err.strerror or err}): is it an rpc-server?") from None
+    if not version or version[0] != _PROTO_MAJOR:
+        theirs = f"protocol {version[0]}.{version[1]}" if version else "no rpc-server handshake"
+        raise SpecliError(f"the server at {endpoint} answered with {theirs}; this llama.cpp speaks RPC protocol {_PROTO_MAJOR}.x: run an rpc-server of the same llama.cpp version")
+
+
+def _receive(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionResetError(0, "closed")
+        data += chunk
+    return data
 
 
 def _ggml() -> ctypes.CDLL:
@@ -92,9 +128,10 @@ _ADD_SERVER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
 _added: dict[str, list[int]] = {}  # endpoint -> its devices (a server is registered once per process)
 
 
-def add_servers(endpoints: tuple[str, ...]) -> list[RpcDevice]:
-    """Connect to each endpoint (checked reachable first) and register its devices; returns
-    them in order. Installs the abort handler (module docstring)."""
+def add_servers(endpoints: tuple[str, ...], timeout: float = RPC_TIMEOUT_S) -> list[RpcDevice]:
+    """Connect to each endpoint (its handshake checked first, within `timeout`) and register its
+    devices; returns them in order. Installs the abort handler (module docstring) and the
+    watchdog that ends a pass the servers stop answering (watch())."""
     check_supported()
     ensure_backend()
     lib = _ggml()
@@ -105,8 +142,9 @@ def add_servers(endpoints: tuple[str, ...]) -> list[RpcDevice]:
     add = _ADD_SERVER(address)
     for endpoint in endpoints:
         if endpoint not in _added:
-            check_reachable(endpoint)
+            check_reachable(endpoint, timeout)
             install_abort_handler()
+            watch(timeout)
             server_reg = add(endpoint.encode())
             if not server_reg:
                 raise SpecliError(f"llama.cpp could not add the RPC server at {endpoint}")
@@ -157,3 +195,81 @@ def install_abort_handler() -> None:
         base.ggml_set_abort_callback.restype = ctypes.c_void_p
         base.ggml_set_abort_callback.argtypes = [_ABORT]
         base.ggml_set_abort_callback(_abort_handler)
+
+
+# --- a silent server --------------------------------------------------------------------------
+# ggml's RPC client waits on its sockets without a timeout: a server that stops answering (a
+# frozen machine, a dropped route) leaves the pass waiting for ever, and Ctrl-C cannot end it
+# (Python runs signal handlers only when the pass returns). A watchdog thread ends such a pass;
+# it hears of a Ctrl-C or SIGTERM through the signal module's wake-up fd, which the C-level
+# handler writes at once.
+_watch_timeout: float | None = None
+_on_stall: list = []  # callables taking the line said (serve answers its requests 503)
+STALL_GRACE_S = 2.0  # with such a callable: how long its answers get before the process ends
+
+
+def on_stall(callback) -> None:
+    """Call `callback(reason)` (from the watchdog's thread) when a pass stalls, before leaving."""
+    _on_stall.append(callback)
+
+
+def watch(timeout: float) -> None:
+    """Start (once; a later call may only shorten the wait) the watchdog: a pass that has had no
+    answer for `timeout` s ends the process with one line and exit 1, and a pass that a Ctrl-C
+    came during and that has not returned INTERRUPT_GRACE_S later, with exit 130. What was
+    written stays. Ctrl-C is watched only when called from the main thread."""
+    global _watch_timeout
+    first = _watch_timeout is None
+    _watch_timeout = timeout if first else min(_watch_timeout, timeout)
+    if not first:
+        return
+    signals = None
+    if threading.current_thread() is threading.main_thread():
+        signals, wake = os.pipe()
+        os.set_blocking(wake, False)
+        try:
+            signal.set_wakeup_fd(wake, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(signals)
+            os.close(wake)
+            signals = None
+    threading.Thread(target=_watchdog, args=(signals,), name="specli-rpc-watchdog", daemon=True).start()
+
+
+def _watchdog(signals: int | None) -> None:
+    asked: tuple[float, float] | None = None  # (the pass it came during, when)
+    while True:
+        if signals is None:
+            time.sleep(0.25)
+        elif select.select([signals], [], [], 0.25)[0]:
+            heard = set(os.read(signals, 64))
+            since = pass_running_since()
+            if since is not None and heard & {signal.SIGINT, signal.SIGTERM}:
+                asked = asked or (since, time.monotonic())
+        since, now = pass_running_since(), time.monotonic()
+        if asked is not None and asked[0] != since:  # that pass returned: Python handles the signal
+            asked = None
+        if since is None:
+            continue
+        servers = ", ".join(_added) or "the RPC servers"
+        if asked is not None and now - asked[1] > INTERRUPT_GRACE_S:
+            _leave(130, f"specli: interrupted while waiting for {servers}, which did not answer")
+        if now - since > (_watch_timeout or RPC_TIMEOUT_S):
+            why = f"no answer from the RPC server(s) at {servers} for {_watch_timeout:g} s during a pass (stalled, or the network is down)"
+            for callback in _on_stall:
+                try:
+                    callback(why)
+                except Exception:
+                    pass
+            if _on_stall:
+                time.sleep(STALL_GRACE_S)
+            _leave(1, f"specli: error: {why}; what was written so far is kept (--rpc-timeout SECONDS waits longer)")
+
+
+def _leave(code: int, line: str) -> None:
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    os.write(2, (line + "\n").encode())
+    os._exit(code)

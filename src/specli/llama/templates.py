@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+
+try:
+    import resource
+except ImportError:  # (not on Windows: the deadline and the other caps still hold)
+    resource = None
 import sys
 import time
 from typing import Sequence
@@ -64,26 +70,49 @@ class TemplateRenderError(Exception):
 
 RENDER_SECONDS = 5.0  # a template renders in well under a millisecond a message
 RENDER_GROWTH = 8  # ... and writes its messages plus some scaffolding, not this many times more
+RENDER_VALUE_MAX = 1 << 24  # no string or list a template builds in one operation is longer
+RENDER_MEMORY = 256 << 20  # ... nor does it need this much memory
 
 
 class _RenderTimeout(Exception):
-    """A template ran past its deadline (raised from the trace function, inside the template)."""
+    """A template ran past its deadline or its memory (raised from the trace function, inside
+    the template)."""
+
+
+def _memory_reader():
+    """A function giving the process's memory now, in bytes: its resident set from
+    /proc/self/statm where there is one, else its peak (getrusage; weaker: memory freed since
+    the peak is counted as in use); None where neither is known."""
+    try:
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+        page = os.sysconf("SC_PAGE_SIZE")
+        return (lambda: int(os.pread(fd, 64, 0).split()[1]) * page), fd
+    except (OSError, ValueError, AttributeError):
+        if resource is None:
+            return None, None
+        return (lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), None  # (KiB on Linux)
 
 
 @contextlib.contextmanager
-def _deadline(seconds: float):
-    """Raise _RenderTimeout inside the code running in this thread once `seconds` have passed:
-    Jinja compiles a template to Python, whose every line a trace function sees (a loop that
-    writes nothing included), and an exception it raises stops the template there. The
-    thread's own trace function (a debugger, coverage) is put back after."""
+def _deadline(seconds: float, memory: int):
+    """Raise _RenderTimeout inside the code running in this thread once `seconds` have passed, or
+    once the process's memory has grown by `memory` bytes: Jinja compiles a template to
+    Python, whose every line a trace function sees (a loop that writes nothing included), and
+    an exception it raises stops the template there. The thread's own trace function (a
+    debugger, coverage) is put back after."""
     end = time.monotonic() + seconds
+    used, fd = _memory_reader()
+    ceiling = used() + memory if used else None
     count = 0
 
     def tracer(frame, event, arg):
         nonlocal count
         count += 1
-        if count % 1024 == 0 and time.monotonic() > end:
-            raise _RenderTimeout()
+        if count % 256 == 0:
+            if time.monotonic() > end:
+                raise _RenderTimeout(f"ran for over {seconds:g} s without finishing")
+            if ceiling is not None and used() > ceiling:
+                raise _RenderTimeout(f"took over {memory >> 20} MiB of memory")
         return tracer
 
     previous = sys.gettrace()
@@ -92,6 +121,8 @@ def _deadline(seconds: float):
         yield
     finally:
         sys.settrace(previous)
+        if fd is not None:
+            os.close(fd)
 
 
 class _TemplateRaised(Exception):
@@ -109,6 +140,23 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
 
     def unsafe_undefined(self, obj: object, attribute: str):
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
+
+    # `'a' * 10**9` builds a gigabyte in one step, before any deadline or output cap can see it.
+    intercepted_binops = frozenset({"*", "+", "**"})
+
+    def call_binop(self, context, operator: str, left, right):
+        sized = (str, list, tuple)
+        if operator == "*" and (isinstance(left, sized) and isinstance(right, int) or isinstance(right, sized) and isinstance(left, int)):
+            size = len(left) * right if isinstance(left, sized) else len(right) * left
+        elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+            size = len(left) + len(right)
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int):
+            size = abs(right) * max(1, abs(left)).bit_length() // 8  # about the result's bytes
+        else:
+            size = 0
+        if size > RENDER_VALUE_MAX:
+            raise SecurityError(f"the template builds a value of over {RENDER_VALUE_MAX:,} items with {operator!r}")
+        return super().call_binop(context, operator, left, right)
 
 
 class JinjaTemplate:
@@ -141,7 +189,7 @@ class JinjaTemplate:
         given (a template is code: it may loop for ever, or build a gigabyte)."""
         limit = RENDER_GROWTH * (sum(len(content) for _, content in messages) + 4096)
         try:
-            with _deadline(RENDER_SECONDS):
+            with _deadline(RENDER_SECONDS, RENDER_MEMORY):
                 out, size = [], 0
                 for piece in self._template.generate(
                     messages=[{"role": role, "content": content} for role, content in messages],
@@ -154,8 +202,8 @@ class JinjaTemplate:
             return "".join(out)
         except TemplateRenderError:
             raise
-        except _RenderTimeout:
-            raise TemplateRenderError(f"the template ran for over {RENDER_SECONDS:g} s without finishing; it is not a chat template") from None
+        except _RenderTimeout as err:
+            raise TemplateRenderError(f"the template {err}; it is not a chat template") from None
         except SecurityError as err:
             raise TemplateRenderError(f"the sandbox refused it: {err}", unsafe=True) from None
         except _TemplateRaised as err:

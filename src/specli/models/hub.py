@@ -320,6 +320,57 @@ def unresolvable_endpoint() -> tuple[str, str] | None:
     return (host, found["error"]) if "error" in found else None
 
 
+def hub_timeout() -> float:
+    """Seconds the hub gets to answer the first request of a download (SPECLI_HUB_TIMEOUT, for
+    a slow link; 15 by default)."""
+    try:
+        seconds = float(os.environ.get("SPECLI_HUB_TIMEOUT", "") or 15)
+    except ValueError:
+        seconds = 15.0
+    return seconds if 0 < seconds < 3600 else 15.0
+
+
+@functools.lru_cache(maxsize=None)
+def silent_endpoint() -> str | None:
+    """Why the hub cannot answer, when a first request shows it: the connection is refused, or
+    the hub accepts it and says nothing for hub_timeout() seconds; None when it answers (with
+    any status: the client reports those), when a proxy stands between, or when the answer is
+    unclear (TLS, a bad URL: the client reports those too). Without this, the client retries a
+    refused or silent hub 5 times over minutes."""
+    import http.client
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    parts = urlsplit(constants.ENDPOINT)
+    host = parts.hostname
+    proxies = urllib.request.getproxies_environment()
+    if not host or parts.scheme not in ("http", "https"):
+        return None
+    if (proxies.get(parts.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass_environment(host, proxies):
+        return None
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = kind(host, port, timeout=hub_timeout())
+    try:
+        connection.request("HEAD", "/", headers={"User-Agent": "specli"})
+        connection.getresponse()
+    except ConnectionRefusedError:
+        return f"{host}:{port} refuses connections"
+    except (socket.timeout, TimeoutError):
+        return f"{host}:{port} did not answer within {hub_timeout():g} s (SPECLI_HUB_TIMEOUT sets the wait)"
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        connection.close()
+    return None
+
+
 def check_reachable(what: str) -> None:
     """Raise the one-line offline error before any network call that cannot succeed."""
     if is_offline():
@@ -332,6 +383,9 @@ def check_reachable(what: str) -> None:
             "not in the cache; check the connection (or HF_ENDPOINT, the proxy), or download the file elsewhere "
             "and pass it with -m PATH (HF_HUB_OFFLINE=1 uses only what is cached)"
         )
+    silent = silent_endpoint()
+    if silent is not None:
+        raise SpecliError(f"cannot reach the hub: {silent}, so specli cannot {what}, and it is not in the cache; check the connection (or HF_ENDPOINT, the proxy)")
 
 
 def fetch_file(repo: str, filename: str, file_hint: str = "") -> Fetched:

@@ -13,6 +13,7 @@ queued ones with 503, each response is completed, and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import logging
 import hmac
 import json
 import os
@@ -174,15 +175,24 @@ class Service:
     def _prompt_ids(self, req: protocol.Request) -> tuple[list[int], tuple[str, ...]]:
         """The prompt's tokens (a chat rendered with the model's template) and the format's own
         stop strings; ApiError when it is refused or does not fit the context."""
-        from specli.session.chat import encode
+        from specli.session.chat import encode_conversation
 
         model, stops = self.model, ()
+        n_ctx = self.scheduler.n_ctx
+        field = "messages" if req.kind == CHAT else "prompt"
+        chars = sum(len(m["content"]) for m in req.messages) if req.kind == CHAT else len(req.prompt or "")
+        # Refused before tokenizing: no token stands for more than longest_token_bytes() bytes
+        # (a character is at least one), so such a text could never fit (margin 2 for tokenizers
+        # whose unknown-token stands for a whole word).
+        if chars > 2 * n_ctx * model.longest_token_bytes():
+            raise ApiError(400, f"the {'messages hold' if req.kind == CHAT else 'prompt is'} {chars:,} characters, far more than a request's context of {n_ctx} tokens can hold; shorten it, or restart the server with a larger -c",
+                           param=field, code="context_length_exceeded")  # fmt: skip
         if req.kind == CHAT:
             if self.settings.chat_problem:
                 raise ApiError(400, self.settings.chat_problem, param="messages")
             formatter = self.settings.formatter
             try:
-                ids = encode(model, formatter.render(None, req.messages))
+                ids = encode_conversation(model, formatter, None, req.messages)
             except SpecliError as err:
                 raise ApiError(400, str(err), param="messages") from None
             stops = tuple(formatter.stop)
@@ -193,12 +203,11 @@ class Service:
             ids = req.prompt_ids
         else:
             ids = model.tokenize(req.prompt, add_bos=model.vocab_info().add_bos)
-        n_ctx = self.scheduler.n_ctx
         if not ids:
             raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
         if len(ids) >= n_ctx:
             raise ApiError(400, f"the prompt is {len(ids)} tokens but a request's context holds {n_ctx}; shorten it, or restart the server with a larger -c",
-                           param="messages" if req.kind == CHAT else "prompt", code="context_length_exceeded")  # fmt: skip
+                           param=field, code="context_length_exceeded")  # fmt: skip
         return ids, stops
 
     def _extra(self, event: Done) -> dict:
@@ -290,23 +299,54 @@ def make_app(service: Service):
     return framing_guard(app)
 
 
+MAX_HEADER_BYTES = 32 * 1024  # every header together; clients send well under 8 KB
+SHUTDOWN_GRACE_S = 5.0  # at SIGTERM: how long requests still being received get to finish
+
+
 def framing_guard(app):
     """Refuse at once, before any body is read, a request that gives both Content-Length and
-    Transfer-Encoding: the two framings disagree on where the body ends (the shape of request
-    smuggling), and waiting for either one only hangs the connection."""
+    Transfer-Encoding (the two framings disagree on where the body ends: the shape of request
+    smuggling, and waiting for either one only hangs the connection), and one whose headers
+    pass MAX_HEADER_BYTES (431). A request still being received when a shutdown's grace runs
+    out is cancelled without a traceback: its client was too slow, nothing went wrong here."""
+
+    async def refuse(send, status: int, message: str) -> None:
+        body = json.dumps(ApiError(status, message).body()).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
 
     async def guarded(scope, receive, send):
         if scope["type"] == "http":
-            names = {name.lower() for name, _ in scope.get("headers", ())}
+            headers = scope.get("headers", ())
+            names = {name.lower() for name, _ in headers}
             if b"content-length" in names and b"transfer-encoding" in names:
-                body = json.dumps(ApiError(400, "the request gives both Content-Length and Transfer-Encoding; send one").body()).encode()
-                await send({"type": "http.response.start", "status": 400, "headers": [
-                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})  # fmt: skip
-                await send({"type": "http.response.body", "body": body})
-                return
-        await app(scope, receive, send)
+                return await refuse(send, 400, "the request gives both Content-Length and Transfer-Encoding; send one")
+            size = sum(len(name) + len(value) + 4 for name, value in headers)
+            if size > MAX_HEADER_BYTES:
+                return await refuse(send, 431, f"the request's headers are {size:,} bytes; at most {MAX_HEADER_BYTES:,} are read")
+        try:
+            await app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not _shutting_down:
+                raise
 
     return guarded
+
+
+_shutting_down = False  # set by _Server.handle_exit
+
+
+class _QuietShutdown(logging.Filter):
+    """uvicorn's lines about requests cut short by the shutdown's grace (cancelled, so without a
+    response): expected then, and said by "stopped"."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (_shutting_down and (text.startswith("Cancel ") or text.startswith("ASGI callable returned without")))
+
+
+logging.getLogger("uvicorn.error").addFilter(_QuietShutdown())
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -343,6 +383,8 @@ class _Server(uvicorn.Server):
             self.on_ready()
 
     def handle_exit(self, sig, frame) -> None:
+        global _shutting_down
+        _shutting_down = True
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
         self.service.stopping = True
@@ -354,7 +396,7 @@ def serve(service: Service, sock: socket.socket, *, on_ready: Callable[[], None]
     """Serve until SIGINT/SIGTERM, then stop the scheduler and wait for it."""
     config = uvicorn.Config(
         make_app(service), lifespan="off", http="h11", loop="asyncio", log_level="info" if verbose else "warning",
-        access_log=verbose, timeout_graceful_shutdown=30, log_config=None if not verbose else uvicorn.config.LOGGING_CONFIG,
+        access_log=verbose, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None if not verbose else uvicorn.config.LOGGING_CONFIG,
     )  # fmt: skip
     server = _Server(config, service, on_ready)
     service.scheduler.start()

@@ -192,6 +192,16 @@ class Scheduler:
             busy = sum(slot.job is not None for slot in self.slots)
             return {"slots_idle": len(self.slots) - busy, "slots_processing": busy, "queued": len(self._pending), **self.counts}
 
+    def stalled(self, why: str) -> None:
+        """The backend stopped answering (an RPC server: a pass that never returns; called from
+        the watchdog's thread while the loop is stuck): /health and every request get 503 from
+        now on, and the queued and running requests are answered so."""
+        self.broken = why
+        with self._cond:
+            jobs, self._pending = list(self._pending), collections.deque()
+        for job in jobs + [slot.job for slot in self.slots if slot.job is not None]:
+            _emit(job, Failed(why, 503))
+
     # --- the loop (its own thread) ----------------------------------------------------------------
     def _run(self) -> None:
         try:

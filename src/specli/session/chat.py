@@ -12,6 +12,7 @@ per-turn statistics go to stderr, so `printf 'hi\\n/exit\\n' | specli chat` work
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
@@ -156,6 +157,94 @@ def encode(model: LlamaModel, text: str) -> list[int]:
     return ids
 
 
+def encode_conversation(model: LlamaModel, formatter: Formatter, system: Optional[str], messages: list[dict]) -> list[int]:
+    """Tokens of the conversation rendered by `formatter`, where only the template's own text
+    may become control tokens: a message holding a marker's text (`<start_of_turn>` typed into
+    a chat) is tokenized as that text, so that no message can forge a turn. Conversations
+    without such text are tokenized as a whole, as before.
+
+    Raises UsageError when a message holds a marker's text and the template changes message
+    text beyond trimming it (its spans cannot then be told apart from the template's)."""
+    text = formatter.render(system, messages)
+    contents = ([system] if system else []) + [m["content"] for m in messages]
+    if not any(_holds_control_text(model, c) for c in contents):
+        return encode(model, text)
+    spans = _content_spans(formatter, system, messages, contents, text)
+    if spans is None:
+        raise UsageError(
+            f"a message holds the text of one of the model's control tokens, and the chat template ({formatter.name}) "
+            "changes message text, so it cannot be kept apart from the template's own; remove it, or pass --template NAME"
+        )
+    # Where the template's own text holds control tokens (never inside a message) ...
+    marks: list[tuple[int, int, int]] = []  # (start, end, token)
+    edges = [0] + [p for span in spans for p in span] + [len(text)]
+    for start, end in zip(edges[0::2], edges[1::2]):
+        marks += _control_marks(model, text, start, end)
+    # ... and the text between them, tokenized as text: what llama.cpp does with parse_special,
+    # which tokenizes the text between two control tokens on its own.
+    ids, at = [], 0
+    for start, end, token in marks + [(len(text), len(text), None)]:
+        if start > at:
+            ids += model.tokenize(text[at:start], add_bos=False, parse_special=False)
+        if token is not None:
+            ids.append(token)
+        at = end
+    info = model.vocab_info()
+    if info.add_bos and (not ids or ids[0] != info.bos):
+        ids.insert(0, info.bos)
+    return ids
+
+
+def _holds_control_text(model: LlamaModel, text: str) -> bool:
+    return any(model.is_control(t) for t in model.tokenize(text, add_bos=False, parse_special=True))
+
+
+def _content_spans(formatter: Formatter, system: Optional[str], messages: list[dict], contents: list[str], text: str) -> Optional[list[tuple[int, int]]]:
+    """Where each message's text lies in `text`, found by rendering the conversation again with a
+    mark in place of each message: the template's text between the marks must then be `text`'s,
+    and each message must sit between them as it is or trimmed. None when they do not match."""
+    mark = "\ue000{}\ue001"
+    shape = formatter.render(
+        mark.format(0) if system else None,
+        [dict(m, content=mark.format(k + bool(system))) for k, m in enumerate(messages)],
+    )
+    parts = re.split("\ue000(\\d+)\ue001", shape)  # template text, message number, template text, ...
+    spans, at = [], 0
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            if not text.startswith(part, at):
+                return None
+            at += len(part)
+            continue
+        content, after = contents[int(part)], parts[i + 1]
+        for kept in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+            if text.startswith(kept, at) and text.startswith(after, at + len(kept)):
+                spans.append((at, at + len(kept)))
+                at += len(kept)
+                break
+        else:
+            return None
+    return spans if at == len(text) else None
+
+
+def _control_marks(model: LlamaModel, text: str, start: int, end: int) -> list[tuple[int, int, int]]:
+    """The control tokens that llama.cpp finds in text[start:end] (template text only), as
+    (start, end, token) in order, longest first where two begin at one place."""
+    piece = text[start:end]
+    found = {t for t in model.tokenize(piece, add_bos=False, parse_special=True) if model.is_control(t)}
+    names = sorted({model.token_text(t).decode("utf-8", "replace"): t for t in found}.items(), key=lambda nt: -len(nt[0]))
+    marks, at = [], 0
+    while names and at < len(piece):
+        hits = [(piece.find(name, at), -len(name), name, t) for name, t in names]
+        hits = [h for h in hits if h[0] >= 0]
+        if not hits:
+            break
+        pos, _, name, token = min(hits)
+        marks.append((start + pos, start + pos + len(name), token))
+        at = pos + len(name)
+    return marks
+
+
 # --- fitting the context -------------------------------------------------------------------------
 class MessageTooLong(Exception):
     """The system prompt plus the new message alone do not fit the context."""
@@ -241,13 +330,16 @@ class LineReader:
     read(prompt) returns the line without its newline, or None at end of input. Prompts are
     shown only on a terminal, and never on stdout unless stdout is that terminal. A line longer
     than `limit` bytes (default: the input limit, files.max_input_bytes()) is a UsageError, and
-    no more of it is read: `specli chat < /dev/zero` stops there instead of reading forever.
+    no more of it is read: `specli chat < /dev/zero` stops there instead of reading forever. So
+    is a piped line that is not UTF-8 text (binary input would otherwise be answered line by
+    line, for ever).
     """
 
     def __init__(self, stdin: TextIO, stdout: TextIO, stderr: TextIO, *, limit: Optional[int] = None):
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.limit = max_input_bytes() if limit is None else limit
         self.interactive = stdin.isatty()
+        self.lines = 0
         if self.interactive:
             try:
                 import readline  # noqa: F401  (line editing and history for input())
@@ -266,7 +358,13 @@ class LineReader:
             if len(raw.rstrip(ends) if ended else raw) > self.limit:  # not ended: cut short at limit + 2
                 raise input_limit_error(MESSAGE_WHAT, self.limit)
             line = raw.rstrip(ends)
-            return line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
+            self.lines += 1
+            if isinstance(line, str):
+                return line
+            try:
+                return line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UsageError(f"line {self.lines} of stdin is not UTF-8 text (bad byte at column {err.start + 1}); chat reads one message per line of text") from None
         try:
             if self.stdout.isatty():
                 line = input(prompt)
@@ -342,7 +440,7 @@ class ChatSession:
         print(text, file=self.err, flush=True)
 
     def tokens_of(self, system: Optional[str], messages: list[dict]) -> list[int]:
-        return encode(self.loaded.model_tgt, self.formatter.render(system, messages))
+        return encode_conversation(self.loaded.model_tgt, self.formatter, system, messages)
 
     # --- a turn --------------------------------------------------------------------------------
     def turn(self, text: str) -> None:

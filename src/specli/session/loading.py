@@ -50,6 +50,7 @@ class ModelChoice:
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[float, ...] | None = None
     draft_rpc: bool = False
+    rpc_timeout: float = 30.0  # seconds a server gets to connect, to answer the handshake, a pass
 
 
 @dataclass
@@ -223,7 +224,7 @@ def rpc_devices(choice: ModelChoice) -> tuple[list[int] | None, list[int] | None
         return None, None
     from specli.llama import rpc
 
-    remote = rpc.add_servers(choice.rpc)
+    remote = rpc.add_servers(choice.rpc, choice.rpc_timeout)
     local = rpc.local_accelerators()
     if choice.tensor_split is not None and len(choice.tensor_split) != len(remote) + len(local):
         raise UsageError(
