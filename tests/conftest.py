@@ -50,6 +50,15 @@ def gemma_path() -> Path:
     return Path(assemble())
 
 
+@pytest.fixture(scope="module")
+def gemma(gemma_path):
+    """The real Gemma loaded with llama.cpp's default numerics, a 1,024-token context."""
+    init_backend()
+    model = LlamaModel(gemma_path, n_ctx=1024, n_threads=2)
+    yield model
+    model.close()
+
+
 def load(path: Path, n_ctx: int = FIXTURE_CTX) -> LlamaModel:
     """A fixture model with the numerics that make batched == one-at-a-time (see LlamaModel)."""
     init_backend()

@@ -18,7 +18,7 @@ from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, Shar
 from specli.decoding.drafters import make_drafter
 from specli.llama.model import LlamaModel
 from specli.decoding.sampling import GREEDY, SamplingParams
-from test_cli import assert_one_line_error, specli
+from fixtures.cli import assert_one_line_error, specli
 
 # One thread: the suite may share 2 cores with other llama.cpp processes, and llama.cpp's
 # spinning thread barrier makes 2-thread runs crawl under contention.

@@ -18,7 +18,7 @@ import pytest
 from specli.session import batch
 from specli.decoding.sampling import GREEDY
 from test_batch import GREEDY_ARGS, PROMPTS, read_records, write_jsonl
-from test_cli import assert_one_line_error, specli
+from fixtures.cli import assert_one_line_error, specli
 
 COMMON = ["--target-only", "--max-tokens", "6", *GREEDY_ARGS]
 RECORD = {"id": 1, "line": 1, "text": "a", "token_ids": [5], "n_tokens": 1, "stop_reason": "length", "stats": {}}
@@ -252,12 +252,20 @@ def test_a_rewritten_output_stays_a_link_and_keeps_its_mode(tmp_path):
     assert real.stat().st_mode & 0o777 == 0o644
 
 
-def test_an_atomic_write_to_a_device_writes_through_it(tmp_path):
-    # A temporary file renamed over /dev/null would replace the device node (as root).
+def test_an_atomic_write_to_a_fifo_or_device_writes_through_it(tmp_path):
+    # A temporary file renamed over the path would replace the FIFO (or a device node) with a
+    # regular file, and the reader would get nothing. A FIFO of our own: this fails for any user.
     import os
     import stat
+    import threading
 
     from specli.files import write_atomically
 
-    write_atomically("/dev/null", ["nothing"])
-    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    write_atomically(fifo, ["first", "second"])
+    reader.join(30)
+    assert got == [b"first\nsecond\n"] and stat.S_ISFIFO(os.stat(fifo).st_mode)

@@ -11,7 +11,7 @@ from fixtures import synthetic
 from specli.decoding.sampling import GREEDY
 from specli.llama.templates import JinjaTemplate, TemplateRenderError
 from specli.session import batch
-from test_cli import assert_one_line_error, specli
+from fixtures.cli import assert_one_line_error, specli
 
 # A template of our own: "[role] content" lines after BOS, then the assistant's opening. It
 # refuses a message "boom" (raise_exception), as real templates refuse e.g. a misplaced role.

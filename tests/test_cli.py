@@ -11,29 +11,13 @@ import time
 
 import pytest
 
+from fixtures.cli import assert_one_line_error, specli
+
 JSON_KEYS = {"text", "token_ids", "n_tokens", "stop_reason", "target", "draft", "n_draft", "sampling", "seed", "stats"}
 STATS_KEYS = {
     "drafted", "accepted", "acceptance_rate", "target_passes", "mean_tokens_per_pass",
     "tokens_per_s", "prompt_s", "draft_s", "verify_s", "wall_s",
 }
-
-
-def specli(*args: str, stdin: str | None = None, env: dict | None = None, timeout: float = 120):
-    return subprocess.run(
-        [sys.executable, "-m", "specli", *args],
-        input=stdin, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def assert_one_line_error(result, exit_code: int, *fragments: str):
-    assert result.returncode == exit_code, (result.returncode, result.stderr)
-    assert result.stdout == ""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("specli: error: ")
-    for fragment in fragments:
-        assert fragment in lines[0]
 
 
 def test_stdout_is_exactly_the_generated_text(pair_perturbed):
@@ -263,14 +247,29 @@ def test_ctrl_c_keeps_the_text_and_exits_130(gemma_path, sig):
 
 
 @pytest.mark.gemma
+def test_sigterm_ends_chat_not_only_the_reply(gemma_path):
+    # Ctrl-C during a reply stops the reply and chat goes on; SIGTERM (`kill`, `timeout`) ends it.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specli", "chat", "--max-tokens", "4000", "--target-only", "-q"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    proc.stdin.write(b"Write a very long story about a dragon.\n" * 3)
+    proc.stdin.flush()
+    assert proc.stdout.read(20)  # the first reply is streaming
+    proc.send_signal(signal.SIGTERM)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and b"Traceback" not in err, err
+
+
+@pytest.mark.gemma
 def test_sigterm_keeps_the_json_of_what_was_generated(gemma_path):
     # What `timeout`, `kill` and `docker stop` send: the JSON still comes, marked interrupted.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specli", "run", "Write a very long story about a dragon.", "--max-tokens", "4000",
+        [sys.executable, "-m", "specli", "run", "Write a very long story about a dragon.", "-c", "32768", "--max-tokens", "30000",
          "--target-only", "--json", "--temp", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
-    time.sleep(8)  # the model loads in about a second; 4000 tokens take a minute or more
+    time.sleep(8)  # the model loads in about a second; 30,000 tokens take minutes even on a GPU
     assert proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)

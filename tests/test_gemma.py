@@ -15,7 +15,6 @@ from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specli.decoding.engine import SpeculativeDecoder
 from fixtures.helpers import convert
 from specli.llama.model import LlamaModel
-from specli.llama.native import init_backend
 
 pytestmark = pytest.mark.gemma
 
@@ -41,14 +40,6 @@ def variance(values):
 def mean(values: list[float]) -> float:
 '''
 STORY_PROMPT = "Once upon a time, in a village at the edge of a great forest, there lived"
-
-
-@pytest.fixture(scope="module")
-def gemma(gemma_path):
-    init_backend()
-    model = LlamaModel(gemma_path, n_ctx=1024, n_threads=2)
-    yield model
-    model.close()
 
 
 def greedy_gaps(model: LlamaModel, prompt: list[int], emitted: list[int]) -> np.ndarray:

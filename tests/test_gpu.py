@@ -17,7 +17,7 @@ import llama_cpp
 import pytest
 
 from specli.llama.devices import backend_devices
-from test_cli import specli
+from fixtures.cli import specli
 
 ROOT = Path(__file__).resolve().parents[1]
 # A GPU device, not just offload support: an RPC-enabled build supports offload (to RPC

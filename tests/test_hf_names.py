@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import assert_one_line_error, specli
+from fixtures.cli import assert_one_line_error, specli
 
 COMMIT = "ab" * 20
 

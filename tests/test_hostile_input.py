@@ -14,7 +14,7 @@ import pytest
 from specli.decoding.sampling import SamplingParams
 from specli.server.protocol import CHAT, TEXT, ApiError, parse_request
 from specli.session.batch import LineError, _parse_line
-from test_cli import assert_one_line_error, specli
+from fixtures.cli import assert_one_line_error, specli
 
 DEFAULTS = SamplingParams()
 HUGE = 10**400
@@ -33,6 +33,7 @@ def test_a_number_out_of_any_range_is_a_400_naming_its_field(field):
     err = refused({"prompt": "hi", field: HUGE})
     assert err.param == field and len(err.message) < 200
     assert refused({"prompt": "hi", field: -HUGE}).param == field
+    assert refused({"prompt": "hi", field: 1e300}).param == field  # (an integer sent as a float)
 
 
 def test_token_ids_out_of_range_are_refused():
@@ -77,12 +78,13 @@ def test_json_nested_too_deeply_is_a_400():
         assert caught.value.status == 400 and "nested" in caught.value.message
 
 
-def test_a_non_ascii_api_key_sent_as_utf8_is_the_key():
+@pytest.mark.parametrize("key", ["clé-secrète-ключ", "clé-voilà", "ключх"])  # (à and х end in \xa0 and \x85 in UTF-8)
+def test_a_non_ascii_api_key_sent_as_utf8_is_the_key(key):
     pytest.importorskip("starlette")
     from specli.server.app import Service
 
     class Settings:
-        api_key = "clé-secrète-ключ"
+        api_key = key
 
     server = Service.__new__(Service)
     server.settings = Settings()
@@ -180,6 +182,8 @@ def test_a_damaged_hugging_face_ref_is_skipped_without_blocking(tmp_path, monkey
     ("{% set s = 'a' * 1000000000 %}{{ s | length }}", "builds a value of over"),
     ("{% set s = ['a'] * 1000000000 %}{{ s | length }}", "builds a value of over"),
     ("{{ (10 ** 1000000000) | string | length }}", "builds a value of over"),
+    ("{{ 'x'.ljust(1000000000) | length }}", "passes 1,000,000,000 to a function"),
+    ("{{ 'x' | center(1000000000) | length }}", "passes 1,000,000,000 to a function"),
     # a string doubled in a loop: each step is small, the memory is not
     ("{% set s = namespace(t='x') %}{% for i in range(40) %}{% set s.t = s.t ~ s.t %}{% endfor %}{{ s.t }}", "MiB of memory"),
 ])  # fmt: skip

@@ -37,7 +37,15 @@ def imports(name: str) -> set[str]:
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 out.add(full if full in MODULES else base)
-    return {m if m in MODULES or not m.startswith("specli") else m for m in out}
+    return {_owner(m) for m in out}
+
+
+def _owner(name: str) -> str:
+    """A specli name that is not a module (an attribute reached by `import a.b.c`) as the
+    module that holds it; other names as they are."""
+    while name.startswith("specli.") and name not in MODULES:
+        name = name.rsplit(".", 1)[0]
+    return name
 
 
 GRAPH = {name: {m for m in imports(name) if m in MODULES and m != name} for name in MODULES}

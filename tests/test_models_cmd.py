@@ -9,7 +9,7 @@ import pytest
 from fixtures import synthetic
 from specli.models.registry import load_registry
 
-from test_cli import assert_one_line_error, specli
+from fixtures.cli import assert_one_line_error, specli
 
 
 @pytest.fixture()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import synthetic
-from test_cli import assert_one_line_error, specli
+from fixtures.cli import assert_one_line_error, specli
 
 COMMIT = "0123abcd" * 5
 REPO = "test/tiny-GGUF"

@@ -170,6 +170,9 @@ def test_contended_passes_are_used_by_the_run_but_never_saved():
         cost, u = (busy, 1.0) if busy_now else (quiet, 2.0)
         policy.observe(StepReport("lookup" if k else None, k, k, None, 0.0, k + 1, cost(k + 1), context_len=100, cpu_s=u * cost(k + 1)))
     saved = policy.saved(NOW)
+    # The quiet passes are saved (a test that saved nothing would pass the loop below) ...
+    assert 1 in saved.passes, saved.passes
+    # ... and no contended one moved what is saved.
     for n, c in saved.passes.items():
         assert c.seconds <= quiet(n) * 1.5, (n, c)
 

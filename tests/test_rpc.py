@@ -188,8 +188,10 @@ def test_a_server_that_stops_answering_mid_generation_ends_the_run(pair, tmp_pat
         first = proc.stdout.read(8)  # the generation streams: text is coming through the server
         server.send_signal(signal.SIGSTOP)
         try:
-            if how == "ctrl-c":
+            if how == "ctrl-c":  # the first lets the pass finish (it never does); a second leaves
                 time.sleep(1)
+                proc.send_signal(signal.SIGINT)
+                time.sleep(0.5)
                 proc.send_signal(signal.SIGINT)
             rest, err = proc.communicate(timeout=60)
         finally:
@@ -198,7 +200,7 @@ def test_a_server_that_stops_answering_mid_generation_ends_the_run(pair, tmp_pat
     assert len(lines) == 1, err
     if how == "timeout":
         assert proc.returncode == 1 and lines[0].startswith("specli: error: no answer from the RPC server(s) at " + endpoint), err
-        assert "for 2 s" in lines[0]
+        assert "a pass has waited 2 s" in lines[0]
     else:
         assert proc.returncode == 130 and "interrupted" in lines[0] and endpoint in lines[0], err
     assert len(first + rest) >= 8  # what was streamed before the stall stays on stdout
@@ -247,8 +249,11 @@ def test_serve_over_a_server_that_stops_answering_says_503_then_stops(pair, tmp_
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.1)
             assert health.status_code == 503 and f"no answer from the RPC server(s) at {endpoint}" in health.json()["error"]
-            later = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
-            assert later.status_code == 503
+            try:  # a new request, within the 2 s the server answers before it leaves
+                later = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+                assert later.status_code == 503 and "no answer from the RPC server" in later.text, later.text
+            except httpx.TransportError:  # (a slow test machine: it had left already)
+                assert proc.poll() is not None
             assert proc.wait(60) == 1
             streamer.join(30)
         finally:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from test_cli import assert_one_line_error, specli
+from fixtures.cli import assert_one_line_error, specli
 
 GREEDY = ("--temperature", "0")
 COMMANDS = ("run", "chat", "batch", "bench", "fit", "models", "pull", "cache")
@@ -49,6 +49,12 @@ def test_llama_cpp_model_and_offload_spellings_parse(pair_perturbed):
     plain = run_json("Hello there", "-m", target, "-d", draft, "--draft-max", "2", "-n", "4")
     assert plain["token_ids"] == out["token_ids"]
     assert_one_line_error(specli("run", "hi", "-m", target, "-ngl", "-5"), 2, "--ngl must be -1")
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "batch", "bench", "serve"])
+def test_t_is_threads_in_every_command_that_has_them(command):
+    # (refused as out of range: parsed as --threads, before anything loads)
+    assert_one_line_error(specli(command, "-t", "0", "-m", "nothing.gguf"), 2, "'--threads' / '-t'")
 
 
 def test_prompt_as_an_option(pair_perturbed):

@@ -20,7 +20,7 @@ from specli.decoding.text import TextStream
 from specli.errors import UsageError
 from specli.llama.model import LlamaModel
 from specli.session import batch
-from test_cli import assert_one_line_error, specli
+from fixtures.cli import assert_one_line_error, specli
 
 # Drafts of several tokens, all accepted: a draft model identical to the target. (Prompt lookup on
 # a repetitive prompt drafts next to nothing here: the random fixture model does not continue it.)

@@ -153,7 +153,7 @@ class Sampling:
 
 
 # Single options several commands share.
-Threads = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU threads (default: physical cores).")]
+Threads = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="CPU threads (default: physical cores).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr except errors.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log and tracebacks.")]
 ShowAccept = Annotated[bool, typer.Option("--show-accept", help="On a terminal, colour text that came from accepted drafts.")]

@@ -204,6 +204,12 @@ class LlamaModel:
         """The vocabulary entry of `token` as stored in the GGUF (not rendered)."""
         return llama_cpp.llama_vocab_get_text(self._vocab, token) or b""
 
+    def strips(self, token: int) -> tuple[bool, bool]:
+        """Whether tokenize() with parse_special drops the whitespace before `token` (lstrip) and
+        after it (rstrip), as some vocabularies ask for their control tokens."""
+        attr = int(llama_cpp.llama_vocab_get_attr(self._vocab, token))
+        return bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP), bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP)
+
     def is_control(self, token: int) -> bool:
         """True for control tokens (a chat template's markers such as `<start_of_turn>`), which
         tokenize() makes from their text only with parse_special."""

@@ -67,8 +67,12 @@ _interrupt_requested = False
 _native_depth = 0
 
 
+_terminated = False  # a SIGTERM came: commands that would go on after a Ctrl-C (chat) stop
+
+
 def _on_sigint(signum, frame) -> None:
-    global _interrupt_requested
+    global _interrupt_requested, _terminated
+    _terminated = _terminated or signum == signal.SIGTERM
     if _native_depth:
         _interrupt_requested = True
     else:
@@ -86,6 +90,11 @@ def _install_sigint_handler() -> None:
         signal.signal(signal.SIGINT, _on_sigint)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigint)
+
+
+def terminated() -> bool:
+    """True once a SIGTERM was handled as an interruption (chat then leaves, not only the reply)."""
+    return _terminated
 
 
 def interrupt_requested() -> bool:

@@ -38,8 +38,9 @@ REINSTALL = (
     "this llama-cpp-python was built without RPC; reinstall it with: "
     "CMAKE_ARGS=\"-DGGML_RPC=on\" pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36"
 )
-RPC_TIMEOUT_S = 30.0  # --rpc-timeout's default: the wait for a connection, a handshake, a pass
-INTERRUPT_GRACE_S = 3.0  # after a Ctrl-C, how long a pass may still take before specli leaves it
+RPC_TIMEOUT_S = 60.0  # --rpc-timeout's default: the wait for a handshake, and for a pass
+CONNECT_TIMEOUT_S = 5.0  # ... and for a connection (no more than --rpc-timeout)
+INTERRUPT_HINT_S = 2.0  # a pass still running this long after a Ctrl-C: say that a second one leaves
 # The handshake of this llama.cpp's RPC client (ggml-rpc.cpp, protocol 7): the HELLO command,
 # then the 24 bytes of a client's transport capabilities (none); the server answers with its
 # version (major, minor, patch, padding) and its capabilities.
@@ -86,7 +87,8 @@ def check_reachable(endpoint: str, timeout: float = RPC_TIMEOUT_S) -> None:
     for ever, deaf to Ctrl-C). The connection is closed after: a server takes the next one."""
     host, _, port = endpoint.partition(":")
     try:
-        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        sock = socket.create_connection((host, int(port)), timeout=min(timeout, CONNECT_TIMEOUT_S))
+        sock.settimeout(timeout)
     except OSError as err:
         reason = "timed out" if isinstance(err, (socket.timeout, TimeoutError)) else (err.strerror or str(err))
         raise UsageError(f"cannot reach the RPC server at {endpoint} ({reason}); start rpc-server there (rpc-server -H HOST -p PORT) or fix --rpc") from None
@@ -214,10 +216,11 @@ def on_stall(callback) -> None:
 
 
 def watch(timeout: float) -> None:
-    """Start (once; a later call may only shorten the wait) the watchdog: a pass that has had no
-    answer for `timeout` s ends the process with one line and exit 1, and a pass that a Ctrl-C
-    came during and that has not returned INTERRUPT_GRACE_S later, with exit 130. What was
-    written stays. Ctrl-C is watched only when called from the main thread."""
+    """Start (once; a later call may only shorten the wait) the watchdog: a pass that has not
+    returned after `timeout` s ends the process with one line and exit 1 (130 after a Ctrl-C),
+    and so does, at once, a second Ctrl-C (or SIGTERM) during one pass: the first lets the pass
+    finish, as without RPC. What was written stays. Ctrl-C is watched only when called from the
+    main thread."""
     global _watch_timeout
     first = _watch_timeout is None
     _watch_timeout = timeout if first else min(_watch_timeout, timeout)
@@ -237,25 +240,30 @@ def watch(timeout: float) -> None:
 
 
 def _watchdog(signals: int | None) -> None:
-    asked: tuple[float, float] | None = None  # (the pass it came during, when)
+    asked: list[float] = []  # when the Ctrl-Cs during the running pass came
+    hinted = False
+    pass_of_asked: float | None = None
     while True:
         if signals is None:
             time.sleep(0.25)
         elif select.select([signals], [], [], 0.25)[0]:
-            heard = set(os.read(signals, 64))
-            since = pass_running_since()
-            if since is not None and heard & {signal.SIGINT, signal.SIGTERM}:
-                asked = asked or (since, time.monotonic())
+            heard = [s for s in os.read(signals, 64) if s in (signal.SIGINT, signal.SIGTERM)]
+            if heard and pass_running_since() is not None:
+                asked += [time.monotonic()] * len(heard)
         since, now = pass_running_since(), time.monotonic()
-        if asked is not None and asked[0] != since:  # that pass returned: Python handles the signal
-            asked = None
+        if since != pass_of_asked:  # another pass (or none): Python handles what came before it
+            asked, hinted, pass_of_asked = [t for t in asked if since is not None and t >= since], False, since
         if since is None:
             continue
         servers = ", ".join(_added) or "the RPC servers"
-        if asked is not None and now - asked[1] > INTERRUPT_GRACE_S:
-            _leave(130, f"specli: interrupted while waiting for {servers}, which did not answer")
+        if len(asked) >= 2:
+            _leave(130, f"specli: interrupted while waiting for {servers}")
+        if asked and not hinted and now - asked[0] > INTERRUPT_HINT_S:
+            os.write(2, f"specli: stopping after this pass, which waits for {servers}; Ctrl-C again to leave now\n".encode())
+            hinted = True
         if now - since > (_watch_timeout or RPC_TIMEOUT_S):
-            why = f"no answer from the RPC server(s) at {servers} for {_watch_timeout:g} s during a pass (stalled, or the network is down)"
+            why = (f"no answer from the RPC server(s) at {servers}: a pass has waited {_watch_timeout:g} s (a stalled server or "
+                   "network, or a pass slower than --rpc-timeout SECONDS allows)")  # fmt: skip
             for callback in _on_stall:
                 try:
                     callback(why)
@@ -263,7 +271,7 @@ def _watchdog(signals: int | None) -> None:
                     pass
             if _on_stall:
                 time.sleep(STALL_GRACE_S)
-            _leave(1, f"specli: error: {why}; what was written so far is kept (--rpc-timeout SECONDS waits longer)")
+            _leave(130 if asked else 1, f"specli: error: {why}; what was written so far is kept")
 
 
 def _leave(code: int, line: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 
 try:
@@ -90,7 +91,8 @@ def _memory_reader():
     except (OSError, ValueError, AttributeError):
         if resource is None:
             return None, None
-        return (lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), None  # (KiB on Linux)
+        unit = 1 if sys.platform == "darwin" else 1024  # (ru_maxrss: bytes on macOS, KiB elsewhere)
+        return (lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit), None
 
 
 @contextlib.contextmanager
@@ -158,6 +160,32 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
             raise SecurityError(f"the template builds a value of over {RENDER_VALUE_MAX:,} items with {operator!r}")
         return super().call_binop(context, operator, left, right)
 
+    # ... and so does `'x'.ljust(10**9)`.
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's own signature)
+        _check_sizes(args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _check_sizes(args, kwargs) -> None:
+    """SecurityError for an integer argument no template needs: a width or count that would
+    build a huge value in one call."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > RENDER_VALUE_MAX:
+            raise SecurityError(f"the template passes {value:,} to a function (at most {RENDER_VALUE_MAX:,})")
+
+
+def _bounded_filter(f):
+    """A Jinja filter whose arguments after the value are checked by _check_sizes
+    (`'x' | center(10**9)`)."""
+    skip = 2 if getattr(f, "jinja_pass_arg", None) is not None else 1  # (context or environment, then the value)
+
+    @functools.wraps(f)
+    def bounded(*args, **kwargs):
+        _check_sizes(args[skip:], kwargs)
+        return f(*args, **kwargs)
+
+    return bounded
+
 
 class JinjaTemplate:
     """A GGUF's `tokenizer.chat_template`, compiled once in the sandbox.
@@ -173,6 +201,7 @@ class JinjaTemplate:
             extensions=[Jinja2ChatFormatter.IgnoreGenerationTags, jinja2.ext.loopcontrols],
         )  # fmt: skip
         env.filters["tojson"] = Jinja2ChatFormatter.tojson
+        env.filters.update({name: _bounded_filter(f) for name, f in env.filters.items()})
         env.globals.update(raise_exception=_raise_exception, strftime_now=Jinja2ChatFormatter.strftime_now)
         self.bos_token, self.eos_token = bos_token, eos_token
         try:
@@ -187,7 +216,7 @@ class JinjaTemplate:
         when add_assistant. Raises TemplateRenderError for whatever stops the template, and for
         a template that runs past RENDER_SECONDS or writes past RENDER_GROWTH times what it was
         given (a template is code: it may loop for ever, or build a gigabyte)."""
-        limit = RENDER_GROWTH * (sum(len(content) for _, content in messages) + 4096)
+        limit = RENDER_GROWTH * (sum(len(content) + 256 for _, content in messages) + 4096)  # (room for each turn's scaffolding)
         try:
             with _deadline(RENDER_SECONDS, RENDER_MEMORY):
                 out, size = [], 0

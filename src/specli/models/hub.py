@@ -297,8 +297,8 @@ def unresolvable_endpoint() -> tuple[str, str] | None:
     host = parts.hostname
     if not host:
         return None
-    proxies = urllib.request.getproxies_environment()  # httpx (the hub's transport) honours the same variables
-    if (proxies.get(parts.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass_environment(host, proxies):
+    proxies = urllib.request.getproxies()  # as httpx (the hub's transport) finds them: the variables, or the system's
+    if (proxies.get(parts.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host):
         return None
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -346,10 +346,10 @@ def silent_endpoint() -> str | None:
 
     parts = urlsplit(constants.ENDPOINT)
     host = parts.hostname
-    proxies = urllib.request.getproxies_environment()
+    proxies = urllib.request.getproxies()
     if not host or parts.scheme not in ("http", "https"):
         return None
-    if (proxies.get(parts.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass_environment(host, proxies):
+    if (proxies.get(parts.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host):
         return None
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)

@@ -59,6 +59,7 @@ class Service:
     def __init__(self, scheduler: Scheduler, model_tgt, settings: Settings):
         self.scheduler, self.model, self.settings = scheduler, model_tgt, settings
         self.stopping = False
+        model_tgt.longest_token_bytes()  # (a scan of the vocabulary: now, not in the first request)
 
     # --- routes -----------------------------------------------------------------------------------
     async def health(self, http: HttpRequest) -> Response:
@@ -100,7 +101,7 @@ class Service:
         except QueueFull:
             raise ApiError(503, f"the server is busy ({self.scheduler.queue_limit} requests are waiting); retry later", code="server_busy") from None
         except ShuttingDown:
-            raise ApiError(503, "the server is shutting down", code="shutting_down") from None
+            raise ApiError(503, self.scheduler.broken or "the server is shutting down", code="shutting_down") from None
         rid, t0 = protocol.new_id(kind), time.perf_counter()
         if req.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -162,7 +163,7 @@ class Service:
         scheme, _, token = given.partition(" ")
         # Header bytes reach us decoded as Latin-1 (ASGI): back to the bytes sent, against the
         # key's UTF-8 bytes, so a key with non-ASCII characters sent as UTF-8 is the same key.
-        sent = token.strip().encode("latin-1", errors="replace")
+        sent = token.encode("latin-1", errors="replace").strip(b" \t")  # (str.strip would take \xa0, a UTF-8 byte)
         if scheme.lower() != "bearer" or not hmac.compare_digest(sent, key.encode("utf-8")):
             raise ApiError(401, "invalid or missing API key: send the server's --api-key as 'Authorization: Bearer KEY'",
                            code="invalid_api_key", kind="authentication_error")  # fmt: skip
@@ -396,6 +397,7 @@ def serve(service: Service, sock: socket.socket, *, on_ready: Callable[[], None]
     """Serve until SIGINT/SIGTERM, then stop the scheduler and wait for it."""
     config = uvicorn.Config(
         make_app(service), lifespan="off", http="h11", loop="asyncio", log_level="info" if verbose else "warning",
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES + 8192,  # (past it, h11 answers 400 before framing_guard sees the request)
         access_log=verbose, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None if not verbose else uvicorn.config.LOGGING_CONFIG,
     )  # fmt: skip
     server = _Server(config, service, on_ready)

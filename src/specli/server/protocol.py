@@ -79,6 +79,8 @@ def _number(body: dict, name: str, kind: type) -> Any:
         ok = ok and float(value).is_integer()
     if not ok:
         raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a finite number'}, got {_shown(value)}", param=name)
+    if abs(value) >= LARGEST:  # (an integer field sent as a float: 1e300)
+        raise ApiError(400, f"'{name}' is out of range (at most {LARGEST - 1:,} in size)", param=name)
     return kind(value)
 
 

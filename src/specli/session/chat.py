@@ -21,6 +21,7 @@ from specli.decoding.engine import AUTO, MAX_DRAFT, parse_draft_length
 from specli.errors import UsageError
 from specli.files import input_limit_error, max_input_bytes, replace_text
 from specli.llama.model import LlamaModel
+from specli.llama.native import terminated
 from specli.llama.templates import JinjaTemplate, TemplateRenderError, apply_chat_template, builtin_chat_templates
 from specli.session.loading import Loaded
 from specli.decoding.sampling import sampling_json
@@ -181,18 +182,26 @@ def encode_conversation(model: LlamaModel, formatter: Formatter, system: Optiona
     for start, end in zip(edges[0::2], edges[1::2]):
         marks += _control_marks(model, text, start, end)
     # ... and the text between them, tokenized as text: what llama.cpp does with parse_special,
-    # which tokenizes the text between two control tokens on its own.
-    ids, at = [], 0
+    # which tokenizes the text between two control tokens on its own (without the whitespace
+    # next to a token that strips it).
+    ids, at, strip_next = [], 0, False
     for start, end, token in marks + [(len(text), len(text), None)]:
-        if start > at:
-            ids += model.tokenize(text[at:start], add_bos=False, parse_special=False)
+        lstrip, rstrip = model.strips(token) if token is not None else (False, False)
+        piece = text[at:start]
+        piece = piece.lstrip(_C_SPACE) if strip_next else piece
+        piece = piece.rstrip(_C_SPACE) if lstrip else piece
+        if piece:
+            ids += model.tokenize(piece, add_bos=False, parse_special=False)
         if token is not None:
             ids.append(token)
-        at = end
+        at, strip_next = end, rstrip
     info = model.vocab_info()
     if info.add_bos and (not ids or ids[0] != info.bos):
         ids.insert(0, info.bos)
     return ids
+
+
+_C_SPACE = " \t\n\v\f\r"  # what C's isspace() takes, as llama.cpp strips
 
 
 def _holds_control_text(model: LlamaModel, text: str) -> bool:
@@ -585,3 +594,5 @@ class ChatSession:
                     return 0
                 continue
             self.turn(text)
+            if terminated():  # SIGTERM (`kill`, `timeout`): the reply so far is kept, and the session ends
+                return 130

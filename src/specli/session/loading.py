@@ -50,7 +50,7 @@ class ModelChoice:
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[float, ...] | None = None
     draft_rpc: bool = False
-    rpc_timeout: float = 30.0  # seconds a server gets to connect, to answer the handshake, a pass
+    rpc_timeout: float = 60.0  # seconds a server gets to answer the handshake, and a pass
 
 
 @dataclass
