@@ -153,8 +153,8 @@ def test_guide_example_from_registry_facts():
     assert est.total - est.flat == 6 * 128_256 * 4 + 128_256 * 4
 
 
-def gpu(free_gb: float, ram_gb: float = 64) -> fit.Memory:
-    return fit.Memory("gpu", "test GPU", int(free_gb * fit.GB), int(free_gb * fit.GB),
+def gpu(free_gb: float, ram_gb: float = 64) -> fit.DeviceMemory:
+    return fit.DeviceMemory("gpu", "test GPU", int(free_gb * fit.GB), int(free_gb * fit.GB),
                       int(ram_gb * fit.GB), int(ram_gb * fit.GB), "test")
 
 
@@ -174,7 +174,7 @@ def test_split_context_and_quant_suggestions_fit():
     over = fit.estimate(big, small, n_ctx=ctx + 256)
     assert not fit.fits(fit.place(over, roomy), roomy)
     # In 45 GB of RAM only a lighter quantization of the 70B fits.
-    ram = fit.Memory("ram", "RAM", 45 * fit.GB, 45 * fit.GB, 45 * fit.GB, 45 * fit.GB, "test")
+    ram = fit.DeviceMemory("ram", "RAM", 45 * fit.GB, 45 * fit.GB, 45 * fit.GB, 45 * fit.GB, "test")
     name, smaller = fit.smaller_quant(big, small, ram, n_ctx=4096, kv_type="f16", n_draft=5,
                                       overhead=2 * fit.GB, ngl=-1, draft_ngl=-1)
     assert name == "Q3_K_M" and smaller.weight_bytes < big.weight_bytes

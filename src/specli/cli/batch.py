@@ -27,6 +27,7 @@ from specli.decoding.sampling import sampling_json
 from specli.errors import EXIT_RUNTIME, SpecliError, UsageError
 from specli.files import ExclusiveLock, LockBusy, check_writable, replace_text, write_atomically
 from specli.session import batch
+from specli.modes import DraftMode
 
 EXIT_SOME_FAILED = EXIT_RUNTIME
 commands = typer.Typer()
@@ -106,7 +107,7 @@ def _batch(input_path, output, out_path, overwrite, summary_path, parallel, inpu
     finally:
         loaded.close()
 
-    with_drafting = the_plan.mode != "target-only"
+    with_drafting = the_plan.mode != DraftMode.TARGET_ONLY
     if not quiet:
         print(summary.line(with_drafting=with_drafting), file=sys.stderr)
     if summary_path is not None:
@@ -172,7 +173,7 @@ def _lock_output(path: Path) -> ExclusiveLock:
 def _refuse_other_settings(path: Path, previous: batch.Previous, entries: list[batch.Entry], the_plan) -> None:
     """UsageError when the results already in the output were made with other settings than
     this run's (target, drafter, draft length, sampling): resuming would mix them silently."""
-    drafting = the_plan.mode != "target-only"
+    drafting = the_plan.mode != DraftMode.TARGET_ONLY
     run_settings = {"target": str(the_plan.target_path), "draft": the_plan.draft_label, "n_draft": the_plan.n_draft if drafting else 0}
     differences = batch.settings_differences(previous, entries, run_settings, lambda item: sampling_json(item.sampling))
     if differences:
@@ -228,7 +229,7 @@ def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, qui
         events = run_sequential(pool, _items_writing_errors(todo, writer, summary, prepare), describe=error_message)
 
     n_items = sum(isinstance(entry, batch.Item) for entry in todo)
-    progress = _Progress(n_items, enabled=not quiet and sys.stderr.isatty(), with_drafting=the_plan.mode != "target-only")
+    progress = _Progress(n_items, enabled=not quiet and sys.stderr.isatty(), with_drafting=the_plan.mode != DraftMode.TARGET_ONLY)
     t0 = time.perf_counter()
     try:
         with progress:

@@ -19,6 +19,7 @@ from specli.decoding.sampling import sampling_json
 from specli.errors import UsageError
 from specli.files import check_writable
 from specli.session import bench
+from specli.modes import DraftMode
 
 MATPLOTLIB_MISSING = "--plot needs matplotlib, which is not installed; pip install matplotlib"
 
@@ -120,7 +121,7 @@ def _measure(loaded, prompts, ns, repeat, max_tokens, sampling, *, quiet: bool) 
         for job in jobs:
             prompt = prompts[job.prompt]
             progress.update(task, description=f"round {job.round + 1}/{repeat} {prompt.name} " + (f"N={job.n}" if job.n else "target-only"))
-            decoder = plain if job.n == bench.TARGET_ONLY else spec
+            decoder = plain if job.n == bench.NO_DRAFTING else spec
             if job.n:
                 decoder.set_n_draft(job.n)
             if not sampling.greedy:
@@ -178,8 +179,8 @@ def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: lis
     from rich.table import Table
 
     out = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 160)
-    drafter = "prompt lookup" if the_plan.mode == "lookup" else f"draft model {the_plan.draft_path.name}"
-    if the_plan.mode == "hybrid":
+    drafter = "prompt lookup" if the_plan.mode == DraftMode.LOOKUP else f"draft model {the_plan.draft_path.name}"
+    if the_plan.mode == DraftMode.HYBRID:
         drafter = f"prompt lookup, else draft model {the_plan.draft_path.name}"
     out.print(f"target {the_plan.target_path.name}, {drafter}; median of {repeat} round(s) per configuration")
     faults = 0  # rows whose speedup is above their tokens per pass
@@ -239,7 +240,7 @@ def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: lis
         out.print("One round: noise unmeasured, so a verdict may flip from one bench to the next; "
                   "--repeat 3 shows each speedup's spread and says when it is within noise")  # fmt: skip
     for scenario in dict.fromkeys(row.scenario for row in rows):
-        word, why = bench.verdict(best.get(scenario), lookup=the_plan.mode == "lookup")
+        word, why = bench.verdict(best.get(scenario), lookup=the_plan.mode == DraftMode.LOOKUP)
         out.print(f"{scenario}: use speculative decoding? {word} — {why}")
 
 

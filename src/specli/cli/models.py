@@ -57,7 +57,7 @@ def models_json(registry_file: Optional[str] = None) -> list[dict]:
             "default": entry.is_default,
             "description": entry.description,
             "target": _source_json(entry.target),
-            "draft": "lookup" if entry.lookup else _source_json(entry.draft),
+            "draft": DraftMode.LOOKUP if entry.lookup else _source_json(entry.draft),
             "acceptance": list(entry.acceptance) if entry.acceptance else None,
             "n_speculative": entry.n_speculative,
         })
@@ -120,7 +120,7 @@ def models_lines(rows: list[dict], width: Optional[int]) -> list[str]:
         size = " + ".join(gb(s["size_bytes"]) if s["size_bytes"] else "?" for s in sources)
         local = " / ".join("yes" if s["downloaded"] else "no" for s in sources)
         description = ("(default) " if row["default"] else "") + row["description"]
-        table.append((row["name"], "lookup" if d == "lookup" else "model", size, local, description))
+        table.append((row["name"], DraftMode.LOOKUP if d == DraftMode.LOOKUP else "model", size, local, description))
     if width is None:
         return ["\t".join(cells) for cells in table]
     widths = [max(len(cells[i]) for cells in table) for i in range(4)]
@@ -146,6 +146,7 @@ class _Src:
 # The hub client's wrapping (download, offline and access errors) lives in models/hub.py, shared
 # with -m user/repo:QUANT in every command.
 from specli.models.hub import Fetched as _Fetched, is_offline as _is_offline  # noqa: E402
+from specli.modes import DraftMode
 
 
 def _pull_hf_file(repo: str, filename: str) -> _Fetched:

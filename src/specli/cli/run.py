@@ -20,6 +20,7 @@ from specli.decoding.sampling import sampling_json
 from specli.errors import UsageError
 from specli.files import read_limited, strip_bom
 from specli.session.loading import plan
+from specli.modes import DraftMode
 
 commands = typer.Typer()
 
@@ -76,7 +77,7 @@ def run(
         else:
             prompt_ids = model_tgt.tokenize(text, add_bos=model_tgt.vocab_info().add_bos)
         gen = loaded.decoder.generate(prompt_ids, max_tokens=max_tokens, stop=stops)
-        with_drafting = the_plan.mode != "target-only"
+        with_drafting = the_plan.mode != DraftMode.TARGET_ONLY
         interrupted = stream_generation(
             gen, sys.stdout, sys.stderr, show_text=not json_out, live=not quiet and not verbose,
             show_accept=show_accept, with_drafting=with_drafting,
@@ -88,7 +89,7 @@ def run(
             print(summary_line(gen.stats, stop_reason=gen.stop_reason, with_drafting=with_drafting, verbose=verbose,
                                width=terminal_width(sys.stderr)), file=sys.stderr)  # fmt: skip
             warning = (
-                low_acceptance_warning(gen.stats, lookup=the_plan.mode == "lookup", adaptive=loaded.decoder.adaptive)
+                low_acceptance_warning(gen.stats, lookup=the_plan.mode == DraftMode.LOOKUP, adaptive=loaded.decoder.adaptive)
                 if with_drafting else None
             )  # fmt: skip
             if warning:
@@ -142,7 +143,7 @@ def result_json(gen, the_plan) -> dict:
         "stop_reason": gen.stop_reason,
         "target": str(the_plan.target_path),
         "draft": the_plan.draft_label,
-        "n_draft": the_plan.n_draft if the_plan.mode != "target-only" else 0,  # a number or "auto"
+        "n_draft": the_plan.n_draft if the_plan.mode != DraftMode.TARGET_ONLY else 0,  # a number or "auto"
         "sampling": sampling_json(the_plan.sampling),
         "seed": gen.seed,
         "stats": gen.stats.to_dict(),

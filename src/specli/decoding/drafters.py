@@ -23,6 +23,7 @@ from typing import Generator, Protocol, Sequence
 import numpy as np
 
 from specli.llama.model import LlamaModel, fill_cache
+from specli.modes import DraftMode
 from specli.decoding.policy import FIXED, DraftJudge
 from specli.decoding.sampling import GREEDY, Dist, SamplingParams, greedy_choice, penalty_history, sample_from_logits
 
@@ -95,7 +96,7 @@ class DraftModelDrafter:
     output exact.
     """
 
-    name = "draft-model"
+    name = DraftMode.DRAFT_MODEL
     CATCH_UP_LIMIT = 16
     CATCH_UP_SHARE = 0.03
 
@@ -243,7 +244,7 @@ class PromptLookupDrafter:
     C-speed slice comparisons.
     """
 
-    name = "lookup"
+    name = DraftMode.LOOKUP
     MATCH_CAP = 128  # a match is measured this far back at most
     CONSENSUS_DRAFT = 3  # a two-vote draft needs this many agreed tokens (shorter ones rarely pay)
     RESYNC_MIN = 2  # the shortest match that resumes a copy after the text left it
@@ -396,7 +397,7 @@ class HybridDrafter:
     """Prompt lookup when the text so far has a match, the draft model otherwise
     (`--lookup` with `-d`). The judge sizes each source's drafts from its own record."""
 
-    name = "hybrid"
+    name = DraftMode.HYBRID
 
     def __init__(self, lookup: PromptLookupDrafter, draft: DraftModelDrafter):
         self.lookup = lookup
@@ -427,27 +428,26 @@ class HybridDrafter:
             self.draft.update(n_drafted, n_accepted)
 
 
-TARGET_ONLY = "target-only"
-# The drafting modes (session.loading's Plan.mode): a drafter's name, or no drafter.
-MODES = (DraftModelDrafter.name, PromptLookupDrafter.name, HybridDrafter.name, TARGET_ONLY)
-WITH_DRAFT_MODEL = (DraftModelDrafter.name, HybridDrafter.name)  # the modes that need model_dft
+MODES = tuple(DraftMode)  # a drafter's name each (Drafter.name), or no drafter
 
 
-def make_drafter(mode: str, model_dft: LlamaModel | None = None) -> Drafter | None:
-    """A new drafter for a drafting mode (one of MODES), or None for target-only. The modes in
-    WITH_DRAFT_MODEL draft with `model_dft`: a loaded draft model, or one sequence of a
-    multi-sequence context on its weights (a SequenceView). Every call makes a drafter with
-    its own state: one per sequence when several are decoded at once."""
-    if mode == TARGET_ONLY:
+def make_drafter(mode: DraftMode | str, model_dft: LlamaModel | None = None) -> Drafter | None:
+    """A new drafter for a drafting mode, or None for target-only. The modes that need a draft
+    model (DraftMode.needs_draft_model) draft with `model_dft`: a loaded draft model, or one
+    sequence of a multi-sequence context on its weights (a SequenceView). Every call makes a
+    drafter with its own state: one per sequence when several are decoded at once."""
+    try:
+        mode = DraftMode(mode)
+    except ValueError:
+        raise ValueError(f"unknown drafting mode {mode!r}; expected one of {', '.join(MODES)}") from None
+    if mode is DraftMode.TARGET_ONLY:
         return None
-    if mode == PromptLookupDrafter.name:
+    if mode is DraftMode.LOOKUP:
         return PromptLookupDrafter()
-    if mode not in WITH_DRAFT_MODEL:
-        raise ValueError(f"unknown drafting mode {mode!r}; expected one of {', '.join(MODES)}")
     if model_dft is None:
         raise ValueError(f"drafting mode {mode!r} needs a draft model")
     draft = DraftModelDrafter(model_dft)
-    return HybridDrafter(PromptLookupDrafter(), draft) if mode == HybridDrafter.name else draft
+    return HybridDrafter(PromptLookupDrafter(), draft) if mode is DraftMode.HYBRID else draft
 
 
 # Logits more than this below the picked token's add under e^-16 each to softmax's sum: left

@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterable, Iterator, Protocol, Sequence
 
-from specli.decoding.drafters import WITH_DRAFT_MODEL, Drafter, make_drafter
+from specli.decoding.drafters import Drafter, make_drafter
+from specli.modes import DraftMode
 from specli.decoding.engine import AUTO, AUTO_MAX_DRAFT, Generation, SequenceStep, SpeculativeDecoder, Step
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SpecliError
@@ -30,7 +31,7 @@ from specli.llama.context import MultiSequenceContext, SequenceView
 from specli.llama.model import LlamaModel
 
 
-class Item(Protocol):
+class GenerationRequest(Protocol):
     """What the runners need of an item (session.batch's Item has it)."""
 
     prompt: str
@@ -45,7 +46,7 @@ Describe = Callable[[SpecliError], str]
 
 @dataclass
 class ItemDone:
-    item: Item
+    item: GenerationRequest
     generation: Generation | None = None
     error: str | None = None
 
@@ -73,7 +74,7 @@ class DecoderPool:
         return decoder
 
 
-def tokenize_item(model_tgt: LlamaModel, item: Item) -> list[int]:
+def tokenize_item(model_tgt: LlamaModel, item: GenerationRequest) -> list[int]:
     """The item's prompt tokens (the engine refuses a prompt that leaves no room to generate)."""
     ids = getattr(item, "prompt_ids", None)  # a chat item comes rendered and tokenized (batch --chat)
     if ids is not None:
@@ -89,7 +90,7 @@ def item_error(err: Exception, describe: Describe = str) -> str:
     return f"internal error: {type(err).__name__}: {err} (a bug in specli; please report it with this item)"
 
 
-def run_sequential(pool: DecoderPool, items: Iterable[Item], describe: Describe = str) -> Iterator[Step | ItemDone]:
+def run_sequential(pool: DecoderPool, items: Iterable[GenerationRequest], describe: Describe = str) -> Iterator[Step | ItemDone]:
     """One item after the other, exactly as `specli run` generates each. Whatever fails while an
     item is generated (a failed decode, or a bug) is that item's error; the batch goes on."""
     model_tgt = pool.model_tgt
@@ -201,14 +202,14 @@ def verify_all(
 class _Slot:
     """A sequence in the lockstep loop: the item it generates and that item's generation."""
 
-    item: Item
+    item: GenerationRequest
     seq: SequenceStep
 
 
 class ParallelRunner:
     """`n_seq` sequences in lockstep on one target (see the module docstring).
 
-    Each slot gets its own drafter for `mode` (drafters.MODES). The modes with a draft model
+    Each slot gets its own drafter for `mode`. The modes with a draft model
     (`model_dft`) draft through their own sequence of a second multi-sequence context on the
     draft model's weights: one draft cache per sequence, every slot's next draft token in one
     pass of it (`plan_all`).
@@ -217,7 +218,7 @@ class ParallelRunner:
     """
 
     def __init__(
-        self, model_tgt: LlamaModel, mode: str, n_draft: int | str, n_seq: int,
+        self, model_tgt: LlamaModel, mode: DraftMode | str, n_draft: int | str, n_seq: int,
         *, n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
         model_dft: LlamaModel | None = None, describe: Describe = str, release_models: bool = False,
     ):  # fmt: skip
@@ -225,14 +226,15 @@ class ParallelRunner:
         runner never evaluates through; the commands do, tests comparing with them do not."""
         self.model_tgt, self.describe = model_tgt, describe
         self.n_ctx = model_tgt.n_ctx  # per sequence, as for `run`
-        if mode in WITH_DRAFT_MODEL and model_dft is None:
+        mode = DraftMode(mode)
+        if mode.needs_draft_model and model_dft is None:
             raise ValueError(f"drafting mode {mode!r} needs a draft model")
         if release_models:
             model_tgt.release_context()
-            if mode in WITH_DRAFT_MODEL:
+            if mode.needs_draft_model:
                 model_dft.release_context()
         self.draft_seqs = None
-        if mode in WITH_DRAFT_MODEL:
+        if mode.needs_draft_model:
             self.draft_seqs = MultiSequenceContext(
                 model_dft, n_seq=n_seq, n_ctx_per_seq=self.n_ctx, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
             )  # fmt: skip
@@ -256,7 +258,7 @@ class ParallelRunner:
         if self.draft_seqs is not None:
             self.draft_seqs.close()
 
-    def run(self, items: Iterable[Item]) -> Iterator[Step | ItemDone]:
+    def run(self, items: Iterable[GenerationRequest]) -> Iterator[Step | ItemDone]:
         queue = iter(items)
         slots: list[_Slot | None] = [None] * self.seqs.n_seq
         exhausted = False
@@ -338,7 +340,7 @@ class ParallelRunner:
             pending = following
         return requests, failed
 
-    def _start(self, s: int, item: Item, prompt_ids: list[int]) -> _Slot:
+    def _start(self, s: int, item: GenerationRequest, prompt_ids: list[int]) -> _Slot:
         """Put the prompt (all but `last`) into sequence s and set up its generation."""
         seq = self.pools[s].get(item.sampling).sequence(
             prompt_ids, max_tokens=item.max_tokens, cache=self.views[s], stop=item.stop, seed=item.sampling.seed,

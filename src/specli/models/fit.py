@@ -278,7 +278,7 @@ def estimate(target: ModelShape, draft: ModelShape | None, *, n_ctx: int, kv_typ
 
 
 @dataclass(frozen=True)
-class Memory:
+class DeviceMemory:
     """The memory the models would live in.
 
     kind: "gpu" (a discrete device: weights and KV of offloaded layers go there, the rest to
@@ -319,7 +319,7 @@ def _nvidia_smi_gpus() -> list[tuple[str, int, int]]:
     return parse_nvidia_smi(out.stdout) if out.returncode == 0 else []
 
 
-def detect_memory(device: str | None = None) -> Memory:
+def detect_memory(device: str | None = None) -> DeviceMemory:
     """Find the memory to fit into: a GPU (llama.cpp's device query, else nvidia-smi), Apple
     Silicon's unified memory, or system RAM (psutil). `device` picks a GPU by index or by a
     part of its name; without it the GPU with the most free memory is used.
@@ -332,7 +332,7 @@ def detect_memory(device: str | None = None) -> Memory:
     if platform.system() == "Darwin" and platform.machine() == "arm64":
         if device is not None:
             raise UsageError("--device: Apple Silicon has one unified memory; drop --device")
-        return Memory("unified", "Apple Silicon unified memory", ram_free, ram_total, ram_free, ram_total, "psutil (unified memory)")
+        return DeviceMemory("unified", "Apple Silicon unified memory", ram_free, ram_total, ram_free, ram_total, "psutil (unified memory)")
 
     from specli.llama.devices import backend_devices
 
@@ -344,10 +344,10 @@ def detect_memory(device: str | None = None) -> Memory:
         index = _pick_device(gpus, device)
         name, free, total = gpus[index]
         others = tuple(g[0] for i, g in enumerate(gpus) if i != index)
-        return Memory("gpu", name, free, total, ram_free, ram_total, source, others)
+        return DeviceMemory("gpu", name, free, total, ram_free, ram_total, source, others)
     if device is not None:
         raise UsageError(f"--device {device}: no GPU found (llama.cpp sees none, no nvidia-smi); drop --device to fit into RAM")
-    return Memory("ram", "system RAM", ram_free, ram_total, ram_free, ram_total, "psutil")
+    return DeviceMemory("ram", "system RAM", ram_free, ram_total, ram_free, ram_total, "psutil")
 
 
 def _pick_device(gpus: list[tuple[str, int, int]], device: str | None) -> int:
@@ -379,7 +379,7 @@ class Placement:
     ram_bytes: int
 
 
-def place(est: Estimate, memory: Memory, ngl: int = -1, draft_ngl: int = -1) -> Placement:
+def place(est: Estimate, memory: DeviceMemory, ngl: int = -1, draft_ngl: int = -1) -> Placement:
     """Split an estimate between GPU and RAM: each model's weights and KV follow its offloaded
     share of layers; compute buffers (the overhead) sit on the GPU, logits in host memory."""
     if memory.kind != "gpu":
@@ -391,7 +391,7 @@ def place(est: Estimate, memory: Memory, ngl: int = -1, draft_ngl: int = -1) -> 
     return Placement(gpu, est.total - gpu)
 
 
-def fits(p: Placement, memory: Memory) -> bool:
+def fits(p: Placement, memory: DeviceMemory) -> bool:
     """True when the placement fits in free memory (GPU free and RAM available)."""
     if memory.kind == "gpu":
         return p.gpu_bytes <= memory.free and p.ram_bytes <= memory.ram_free
@@ -405,7 +405,7 @@ class Suggestion:
     command: str
 
 
-def max_context(target: ModelShape, draft: ModelShape | None, memory: Memory, *, kv_type: str, n_draft: int,
+def max_context(target: ModelShape, draft: ModelShape | None, memory: DeviceMemory, *, kv_type: str, n_draft: int,
                 overhead: int, ngl: int = -1, draft_ngl: int = -1, limit: int) -> int | None:
     """The largest context (a multiple of 256, below `limit`) that fits, or None."""
     best, lo, hi = None, 1, max(1, (limit - 1) // CTX_PAD)
@@ -419,7 +419,7 @@ def max_context(target: ModelShape, draft: ModelShape | None, memory: Memory, *,
     return best
 
 
-def layer_split(est: Estimate, memory: Memory, draft_ngl: int = -1) -> tuple[int, int] | None:
+def layer_split(est: Estimate, memory: DeviceMemory, draft_ngl: int = -1) -> tuple[int, int] | None:
     """(ngl, draft_ngl) with the most target layers on the GPU that fits, or None.
 
     The draft stays fully offloaded when it can: it runs N times per target pass.
@@ -437,7 +437,7 @@ def layer_split(est: Estimate, memory: Memory, draft_ngl: int = -1) -> tuple[int
     return None
 
 
-def smaller_quant(target: ModelShape, draft: ModelShape | None, memory: Memory, *, n_ctx: int, kv_type: str,
+def smaller_quant(target: ModelShape, draft: ModelShape | None, memory: DeviceMemory, *, n_ctx: int, kv_type: str,
                   n_draft: int, overhead: int, ngl: int, draft_ngl: int) -> tuple[str, ModelShape] | None:
     """The heaviest quantization below the target's that fits (weights scaled by bits per
     weight), as (name, the rescaled target), or None."""

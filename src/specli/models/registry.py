@@ -26,11 +26,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from specli.modes import DraftMode
 from specli.errors import RegistryError
 from specli.files import open_to_read
 
 REGISTRY_FILE = "models.toml"
-LOOKUP = "lookup"
 # The user's own registry: this variable names it, else the config dir's models.toml if present.
 USER_REGISTRY_ENV = "SPECLI_MODELS"
 # A "(or: hf download ...)" alternative longer than this would bury the `specli pull` hint.
@@ -375,7 +375,7 @@ class _Checker:
         target = replace(self.source(table["target"], (*at, "target")), entry_name=name)
 
         draft_value = table["draft"]
-        if draft_value == LOOKUP:
+        if draft_value == DraftMode.LOOKUP:
             draft, lookup = None, True
         elif isinstance(draft_value, dict):
             draft, lookup = replace(self.source(draft_value, (*at, "draft")), entry_name=name), False

@@ -36,6 +36,7 @@ from specli.errors import SpecliError, UsageError
 from specli.server import protocol
 from specli.server.protocol import CHAT, TEXT, ApiError
 from specli.server.scheduler import Delta, Done, Failed, Job, QueueFull, Scheduler, ShuttingDown
+from specli.modes import DraftMode
 
 MAX_BODY_BYTES = 16 << 20  # a request body (a 128k-token conversation is well under 1 MiB)
 
@@ -223,7 +224,7 @@ class Service:
         parts = [f"{http.url.path}: {stats.n_tokens} tokens in {time.perf_counter() - t0:.2f} s"]
         if stats.tokens_per_s:
             parts.append(f"{stats.tokens_per_s:.1f} tok/s")
-        if self.scheduler.mode != "target-only":
+        if self.scheduler.mode != DraftMode.TARGET_ONLY:
             parts += stats.drafting_summary()
         if stats.prompt_reused:
             parts.append(f"{stats.prompt_reused}/{stats.prompt_tokens} prompt tokens reused")

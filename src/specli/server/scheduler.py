@@ -91,7 +91,7 @@ class _OneSequence:
         return {s: self.model.eval(tokens, logits="all") for s, tokens in requests.items()}
 
 
-class _Slot:
+class _ServeSlot:
     def __init__(self, pool: DecoderPool, cache):
         self.pool, self.cache = pool, cache  # its decoders (one per sampling setting), its target cache
         self.job: Optional[Job] = None
@@ -129,7 +129,7 @@ class Scheduler:
             )  # fmt: skip
             self.seqs, caches, pools = self.runner.seqs, self.runner.views, self.runner.pools
             self.max_pass = self.seqs.n_batch // n_seq  # every sequence's part fits the shared batch
-        self.slots = [_Slot(pool, cache) for pool, cache in zip(pools, caches)]
+        self.slots = [_ServeSlot(pool, cache) for pool, cache in zip(pools, caches)]
         self.prefill_batch = prefill_batch or self.seqs.n_batch
         self.n_ctx = self.slots[0].cache.n_ctx
         self._cond = threading.Condition()

@@ -21,7 +21,7 @@ from specli.errors import UsageError
 from specli.files import read_limited, replace_text, strip_bom
 
 DEFAULT_NS = (AUTO, 1, 2, 3, 5, 8, 12)
-TARGET_ONLY = 0  # the configuration "N = 0": no drafting
+NO_DRAFTING = 0  # the configuration "N = 0": no drafting
 
 # Verdict thresholds on the best measured speedup (the guide's terms).
 YES_AT = 1.2
@@ -131,12 +131,12 @@ def parse_ns(text: str) -> list[int | str]:
 
 def config_order(n: int | str) -> tuple[int, int]:
     """Sort key of configurations: target-only, auto, then fixed N ascending."""
-    return (0, 0) if n == TARGET_ONLY else (1, 0) if n == AUTO else (2, int(n))
+    return (0, 0) if n == NO_DRAFTING else (1, 0) if n == AUTO else (2, int(n))
 
 
 def is_fixed(n: int | str) -> bool:
     """A fixed draft length (not target-only, not auto)."""
-    return isinstance(n, int) and n != TARGET_ONLY
+    return isinstance(n, int) and n != NO_DRAFTING
 
 
 def parse_prompt_file(path: Path) -> list[BenchPrompt]:
@@ -189,7 +189,7 @@ def _jsonl_prompt(path: Path, lineno: int, line: str) -> BenchPrompt:
 
 
 @dataclass(frozen=True)
-class Job:
+class BenchJob:
     """One run to do: round r (0-based), prompt index, configuration N (0 = target-only)."""
 
     round: int
@@ -197,17 +197,17 @@ class Job:
     n: int
 
 
-def schedule(n_prompts: int, ns: list[int], repeat: int) -> list[Job]:
+def schedule(n_prompts: int, ns: list[int], repeat: int) -> list[BenchJob]:
     """Every (round, prompt, configuration) once, interleaved: within a round each prompt runs
     all configurations back to back, and the order of the configurations rotates by one each
     round, so slow spells of the machine (and warm-up) hit every configuration alike."""
-    configs = [TARGET_ONLY, *ns]
+    configs = [NO_DRAFTING, *ns]
     jobs = []
     for r in range(repeat):
         shift = r % len(configs)
         order = configs[shift:] + configs[:shift]
         for p in range(n_prompts):
-            jobs.extend(Job(r, p, n) for n in order)
+            jobs.extend(BenchJob(r, p, n) for n in order)
     return jobs
 
 
@@ -290,7 +290,7 @@ def aggregate(records: list[dict]) -> list[Row]:
     twins = _twins(records)
     rows = []
     for scenario, by_n in groups.items():
-        base = by_n.get(TARGET_ONLY, [])
+        base = by_n.get(NO_DRAFTING, [])
         base_tps = _median([r["tokens_per_s"] for r in base])
         pass_s = _ratio(_pooled(base, "verify_s"), _pooled(base, "target_passes")) if base else None
         for n in sorted(by_n, key=config_order):
@@ -303,7 +303,7 @@ def _twins(records: list[dict]) -> dict[tuple, float]:
     twins = {}
     for rec in records:
         key = _twin_key(rec)
-        if rec["n_draft"] == TARGET_ONLY and key is not None:
+        if rec["n_draft"] == NO_DRAFTING and key is not None:
             twins[key] = rec["tokens_per_s"]
     return twins
 
@@ -361,7 +361,7 @@ def _row(scenario: str, n: int, recs: list[dict], base_tps: float | None, pass_s
          twins: dict[tuple, float] | None = None) -> Row:  # fmt: skip
     """Aggregate one configuration's records (see aggregate)."""
     tps = _median([r["tokens_per_s"] for r in recs])
-    speedup = 1.0 if n == TARGET_ONLY and tps else _paired_speedup(recs, twins or {})
+    speedup = 1.0 if n == NO_DRAFTING and tps else _paired_speedup(recs, twins or {})
     if speedup is None:
         speedup = tps / base_tps if tps is not None and base_tps else None
     tokens, drafted = _pooled(recs, "n_tokens"), _pooled(recs, "drafted")
@@ -370,7 +370,7 @@ def _row(scenario: str, n: int, recs: list[dict], base_tps: float | None, pass_s
     draft_per_token = _ratio(_pooled(recs, "draft_s"), drafted) if n else None
     c = draft_per_token / pass_s if draft_per_token is not None and pass_s else None
     ms = lambda key: 1000 * _pooled(recs, key) / tokens if tokens else None  # noqa: E731
-    per_round = round_speedups(recs, twins or {}) if n != TARGET_ONLY else []
+    per_round = round_speedups(recs, twins or {}) if n != NO_DRAFTING else []
     spread = (min(per_round), max(per_round)) if len(per_round) >= 2 else (None, None)
     return Row(
         scenario=scenario, n=n, runs=len(recs), tokens_per_s=tps,

@@ -26,6 +26,7 @@ from specli.llama.templates import JinjaTemplate, TemplateRenderError, apply_cha
 from specli.session.loading import Loaded
 from specli.decoding.sampling import sampling_json
 from specli.decoding.stats import Stats
+from specli.modes import DraftMode
 
 PLAIN = "plain"  # our fallback format for models without a usable template
 # A plain reply ends where the model starts the user's next turn (templates end a turn with an
@@ -442,7 +443,7 @@ class ChatSession:
 
     @property
     def with_drafting(self) -> bool:
-        return self.loaded.plan.mode != "target-only"
+        return self.loaded.plan.mode != DraftMode.TARGET_ONLY
 
     def notice(self, text: str) -> None:
         """A one-line message on stderr (kept even with --quiet only when it reports a refusal)."""

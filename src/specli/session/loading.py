@@ -23,11 +23,10 @@ from specli.files import write_atomically
 from specli.llama.context import validate_ctx
 from specli.llama.model import LlamaModel
 from specli.models import fit
+from specli.modes import DraftMode
 from specli.models.registry import load_effective_registry, resolve_draft_arg, resolve_model_arg, resolve_source
 from specli.decoding.sampling import GREEDY, SamplingParams
 
-LOOKUP = "lookup"
-HYBRID = "hybrid"
 
 
 @dataclass
@@ -59,7 +58,7 @@ class Plan:
 
     target_path: Path
     draft_path: Path | None  # a draft model file, or None
-    mode: str  # "draft-model", "lookup", "hybrid" (lookup, else the draft model) or "target-only"
+    mode: DraftMode
     n_draft: int | str  # a fixed length or "auto"
     sampling: SamplingParams = GREEDY
     # One line each for stderr, found in the GGUF headers before loading (see check_headers).
@@ -68,11 +67,11 @@ class Plan:
     @property
     def draft_label(self) -> str | None:
         """`draft` in --json: the draft file, "lookup", or None for target-only."""
-        if self.mode == "draft-model":
+        if self.mode == DraftMode.DRAFT_MODEL:
             return str(self.draft_path)
-        if self.mode == HYBRID:
-            return f"{LOOKUP}+{self.draft_path}"
-        return LOOKUP if self.mode == LOOKUP else None
+        if self.mode == DraftMode.HYBRID:
+            return f"{DraftMode.LOOKUP}+{self.draft_path}"
+        return DraftMode.LOOKUP if self.mode == DraftMode.LOOKUP else None
 
 
 @dataclass
@@ -171,22 +170,22 @@ def plan(choice: ModelChoice) -> Plan:
 
     draft_path: Path | None = None
     if choice.target_only:
-        mode = "target-only"
+        mode = DraftMode.TARGET_ONLY
     elif choice.lookup and choice.draft:
         draft_path, _ = resolve_draft_arg(choice.draft, registry)
-        mode = HYBRID
+        mode = DraftMode.HYBRID
     elif choice.lookup:
-        mode = LOOKUP
+        mode = DraftMode.LOOKUP
     elif choice.draft:
         # A pair's name as -d means that pair's draft model (resolve_draft_arg).
         draft_path, _ = resolve_draft_arg(choice.draft, registry)
-        mode = "draft-model"
+        mode = DraftMode.DRAFT_MODEL
     elif entry is not None and entry.draft is not None:
         draft_path = resolve_source(entry.draft)
-        mode = "draft-model"
+        mode = DraftMode.DRAFT_MODEL
     else:
         # No draft model named: prompt lookup costs nothing and never changes the output.
-        mode = LOOKUP
+        mode = DraftMode.LOOKUP
 
     # A bad n_draft is refused by SpeculativeDecoder.set_n_draft (the CLI refuses it earlier).
     n_draft = AUTO if choice.n_draft is None else choice.n_draft
@@ -248,7 +247,7 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
                 f"{p.target_path.name} is a recurrent or hybrid model: its state cannot drop rejected "
                 "tokens, so speculative decoding cannot verify drafts with it; use a transformer target"
             )
-        if p.mode in ("draft-model", HYBRID):
+        if DraftMode(p.mode).needs_draft_model:
             assert p.draft_path is not None
             model_dft = LlamaModel(p.draft_path, n_ctx=choice.n_ctx, n_gpu_layers=choice.draft_ngl, n_threads=choice.threads, devices=devices_dft)
             if model_dft.is_recurrent_or_hybrid:

@@ -85,7 +85,7 @@ class SourceState:
 
 
 @dataclass
-class Plan:
+class ProposalPlan:
     """One proposal, from its drafter's `limit` to the step's `observe`: what `limit` decided,
     the step's figures it computed once, and what `keep` has kept so far."""
 
@@ -173,7 +173,7 @@ class AdaptivePolicy(DraftJudge):
         self.max_draft = max_draft
         self.pass_cost = PassCost()
         self._sources: dict[str, SourceState] = {}
-        self.plan: Plan | None = None  # the proposal of the current step (None: no limit() since observe())
+        self.plan: ProposalPlan | None = None  # the proposal of the current step (None: no limit() since observe())
         # Plain decoding's cost is measured on its own, a plain pass after a plain pass: right
         # after drafting, a target pass is slower (a draft model's pass evicts its weights).
         self.plain_s: float | None = None
@@ -315,7 +315,7 @@ class AdaptivePolicy(DraftJudge):
         and the loop's time around the step."""
         return (state.start_s or 0.0) + (self.draft_gap_s or 0.0)
 
-    def _plan_rate(self, gated: float | None, k: int, state: SourceState, plan: Plan) -> float:
+    def _plan_rate(self, gated: float | None, k: int, state: SourceState, plan: ProposalPlan) -> float:
         """Tokens per second expected of this step's plan: the gated rate of a draft model, or
         k drafts at the per-position acceptance (the plan's figures)."""
         if gated is not None:
@@ -324,7 +324,7 @@ class AdaptivePolicy(DraftJudge):
 
     def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0, agreed: int | None = None,
               cap: int | None = None) -> int:  # fmt: skip
-        plan = self.plan = Plan(source, source)
+        plan = self.plan = ProposalPlan(source, source)
         state = self.source(source)
         if match > 0 and not state.runs_model:
             return self._limit_copy(plan, state, n_max, context_len, match, agreed, cap)
@@ -373,7 +373,7 @@ class AdaptivePolicy(DraftJudge):
             return min(PROBE_LENGTH, n_max)
         return 0
 
-    def _best_length(self, plan: Plan, state: SourceState, plain: float) -> int:
+    def _best_length(self, plan: ProposalPlan, state: SourceState, plain: float) -> int:
         """The draft length that maximises expected tokens per second on the plan's rates and
         costs; until the run sees a draft refused (a copying drafter: or has checked saved
         costs against its own wide passes), a model-free drafter's drafts are also priced as a fresh
@@ -394,7 +394,7 @@ class AdaptivePolicy(DraftJudge):
         at least plain decoding's: what a step's time is worth (acceptance.best_length)."""
         return max(self._made / self._made_s, 1 / plain) if self._made_s > 0 else 1 / plain
 
-    def _plain_check_due(self, gated: float | None, k: int, state: SourceState, plan: Plan, plain: float) -> bool:
+    def _plain_check_due(self, gated: float | None, k: int, state: SourceState, plan: ProposalPlan, plain: float) -> bool:
         """Whether plain decoding is to be timed again before drafting on (see __init__); if
         so, the check starts with this step."""
         if self._since_plain < self._plain_check_every or self._plan_rate(gated, k, state, plan) * plain >= PLAIN_CHECK_MARGIN:
@@ -405,7 +405,7 @@ class AdaptivePolicy(DraftJudge):
         self._plain_checking = True
         return True
 
-    def _limit_copy(self, plan: Plan, state: SourceState, n_max: int, context_len: int, match: int,
+    def _limit_copy(self, plan: ProposalPlan, state: SourceState, n_max: int, context_len: int, match: int,
                     agreed: int | None, cap: int | None) -> int:  # fmt: skip
         """limit() for a drafter that copies the text and says how long its match is (prompt
         lookup). Its acceptance is judged on that evidence every step (CopyAcceptance), so
@@ -458,7 +458,7 @@ class AdaptivePolicy(DraftJudge):
 
     def keep(self, source: str, position: int, confidence: float) -> bool:
         """Keep draft `position` if a pass including it (and the drafts expected after it) is
-        expected to yield more tokens per second than a pass that stops before it (`Plan.keep`);
+        expected to yield more tokens per second than a pass that stops before it (`ProposalPlan.keep`);
         `last()` then says whether the best plan ends with it."""
         plan = self.plan
         assert plan is not None and plan.source == source, "keep() is asked after the drafter's limit()"
