@@ -178,13 +178,8 @@ _abort_handler = None  # kept referenced: llama.cpp holds the raw pointer
 def _on_abort(message: bytes | None) -> None:
     text = (message or b"").decode("utf-8", "replace").strip()
     text = text.split(": ", 1)[-1] if "ggml-rpc" in text else text  # drop the source file:line
-    try:
-        sys.stdout.flush()
-    except Exception:
-        pass
     hint = " (an RPC server stopped or the network failed; what was written so far is kept)" if _added else ""
-    os.write(2, f"specli: error: llama.cpp aborted: {text}{hint}\n".encode())
-    os._exit(1)
+    _leave(1, f"specli: error: llama.cpp aborted: {text}{hint}")
 
 
 def install_abort_handler() -> None:
@@ -261,7 +256,7 @@ def _watchdog(signals: int | None) -> None:
         if asked and not hinted and now - asked[0] > INTERRUPT_HINT_S:
             os.write(2, f"specli: stopping after this pass, which waits for {servers}; Ctrl-C again to leave now\n".encode())
             hinted = True
-        if now - since > (_watch_timeout or RPC_TIMEOUT_S):
+        if now - since > _watch_timeout:
             why = (f"no answer from the RPC server(s) at {servers}: a pass has waited {_watch_timeout:g} s (a stalled server or "
                    "network, or a pass slower than --rpc-timeout SECONDS allows)")  # fmt: skip
             for callback in _on_stall:
@@ -275,6 +270,8 @@ def _watchdog(signals: int | None) -> None:
 
 
 def _leave(code: int, line: str) -> None:
+    """End the process now, from any thread or a native callback: what stdout holds is flushed,
+    `line` goes to stderr."""
     try:
         sys.stdout.flush()
     except Exception:

@@ -280,14 +280,10 @@ def _is_connection_error(exc: BaseException) -> bool:
 RESOLVE_WAIT_S = 10.0
 
 
-@functools.lru_cache(maxsize=None)
-def unresolvable_endpoint() -> tuple[str, str] | None:
-    """(host, reason) when the hub's host name does not resolve, i.e. no network or no DNS;
-    None when it resolves, when a proxy resolves it for us, or when the answer takes longer than
-    RESOLVE_WAIT_S. Without this, huggingface_hub retries a failed lookup 5 times over 24 s,
-    printing a line each time, before it gives up."""
-    import socket
-    import threading
+def _direct_endpoint() -> tuple[str, str, int] | None:
+    """(scheme, host, port) of the hub (HF_ENDPOINT) when specli reaches it itself; None when a
+    proxy stands between (it resolves and connects for us), or the URL has no host or a bad port
+    (the client reports those)."""
     import urllib.request
     from urllib.parse import urlsplit
 
@@ -301,9 +297,24 @@ def unresolvable_endpoint() -> tuple[str, str] | None:
     if (proxies.get(parts.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host):
         return None
     try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:  # a bad port in HF_ENDPOINT: the client reports it
+        return parts.scheme, host, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def unresolvable_endpoint() -> tuple[str, str] | None:
+    """(host, reason) when the hub's host name does not resolve, i.e. no network or no DNS;
+    None when it resolves, when a proxy resolves it for us, or when the answer takes longer than
+    RESOLVE_WAIT_S. Without this, huggingface_hub retries a failed lookup 5 times over 24 s,
+    printing a line each time, before it gives up."""
+    import socket
+    import threading
+
+    direct = _direct_endpoint()
+    if direct is None:
+        return None
+    _, host, port = direct
     found: dict = {}
 
     def resolve() -> None:
@@ -339,23 +350,12 @@ def silent_endpoint() -> str | None:
     refused or silent hub 5 times over minutes."""
     import http.client
     import socket
-    import urllib.request
-    from urllib.parse import urlsplit
 
-    from huggingface_hub import constants
-
-    parts = urlsplit(constants.ENDPOINT)
-    host = parts.hostname
-    proxies = urllib.request.getproxies()
-    if not host or parts.scheme not in ("http", "https"):
+    direct = _direct_endpoint()
+    if direct is None or direct[0] not in ("http", "https"):
         return None
-    if (proxies.get(parts.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host):
-        return None
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        return None
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    scheme, host, port = direct
+    kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
     connection = kind(host, port, timeout=hub_timeout())
     try:
         connection.request("HEAD", "/", headers={"User-Agent": "specli"})

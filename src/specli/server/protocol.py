@@ -71,16 +71,14 @@ class Request:
 def _number(body: dict, name: str, kind: type) -> Any:
     value = body[name]
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok and isinstance(value, int) and abs(value) >= LARGEST:
-        raise ApiError(400, f"'{name}' is out of range (at most {LARGEST - 1:,} in size)", param=name)
-    if ok and not math.isfinite(value):
+    if ok and isinstance(value, float) and not math.isfinite(value):
         ok = False
+    if ok and abs(value) >= LARGEST:  # (before float(): a 400-digit integer overflows it)
+        raise ApiError(400, f"'{name}' is out of range (at most {LARGEST - 1:,} in size)", param=name)
     if kind is int:
         ok = ok and float(value).is_integer()
     if not ok:
         raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a finite number'}, got {_shown(value)}", param=name)
-    if abs(value) >= LARGEST:  # (an integer field sent as a float: 1e300)
-        raise ApiError(400, f"'{name}' is out of range (at most {LARGEST - 1:,} in size)", param=name)
     return kind(value)
 
 

@@ -196,25 +196,25 @@ class Scheduler:
         """The backend stopped answering (an RPC server: a pass that never returns; called from
         the watchdog's thread while the loop is stuck): /health and every request get 503 from
         now on, and the queued and running requests are answered so."""
+        self._fail_all(why, 503)  # (the slots stay as they are: the stuck loop holds them)
+
+    def _fail_all(self, why: str, status: int) -> None:
+        """From now on every request is refused with `why`; the queued and running ones are
+        answered so."""
         self.broken = why
         with self._cond:
             jobs, self._pending = list(self._pending), collections.deque()
         for job in jobs + [slot.job for slot in self.slots if slot.job is not None]:
-            _emit(job, Failed(why, 503))
+            _emit(job, Failed(why, status))
 
     # --- the loop (its own thread) ----------------------------------------------------------------
     def _run(self) -> None:
         try:
             self._loop()
         except BaseException as err:  # a bug: answer everyone rather than leave them waiting
-            self.broken = f"internal error: {type(err).__name__}: {err} (a bug in specli; please report it)"
-            with self._cond:
-                jobs, self._pending = list(self._pending), collections.deque()
-            jobs += [slot.job for slot in self.slots if slot.job is not None]
+            self._fail_all(f"internal error: {type(err).__name__}: {err} (a bug in specli; please report it)", 500)
             for slot in self.slots:
                 slot.job, slot.seq = None, None
-            for job in jobs:
-                _emit(job, Failed(self.broken, 500))
 
     def _loop(self) -> None:
         while True:

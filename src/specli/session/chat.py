@@ -152,7 +152,10 @@ def check_template_name(name: str) -> None:
 def encode(model: LlamaModel, text: str) -> list[int]:
     """Tokens of a rendered conversation. Templates contain special tokens (parse_special), and
     some start with BOS themselves: add it only when the model wants one and it is missing."""
-    ids = model.tokenize(text, add_bos=False, parse_special=True)
+    return _with_bos(model, model.tokenize(text, add_bos=False, parse_special=True))
+
+
+def _with_bos(model: LlamaModel, ids: list[int]) -> list[int]:
     info = model.vocab_info()
     if info.add_bos and (not ids or ids[0] != info.bos):
         ids.insert(0, info.bos)
@@ -196,10 +199,7 @@ def encode_conversation(model: LlamaModel, formatter: Formatter, system: Optiona
         if token is not None:
             ids.append(token)
         at, strip_next = end, rstrip
-    info = model.vocab_info()
-    if info.add_bos and (not ids or ids[0] != info.bos):
-        ids.insert(0, info.bos)
-    return ids
+    return _with_bos(model, ids)
 
 
 _C_SPACE = " \t\n\v\f\r"  # what C's isspace() takes, as llama.cpp strips

@@ -26,7 +26,7 @@ from specli.models import fit
 from specli.modes import DraftMode
 from specli.models.registry import load_effective_registry, resolve_draft_arg, resolve_model_arg, resolve_source
 from specli.decoding.sampling import GREEDY, SamplingParams
-
+from specli.llama.rpc import RPC_TIMEOUT_S
 
 
 @dataclass
@@ -49,7 +49,7 @@ class ModelChoice:
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[float, ...] | None = None
     draft_rpc: bool = False
-    rpc_timeout: float = 60.0  # seconds a server gets to answer the handshake, and a pass
+    rpc_timeout: float = RPC_TIMEOUT_S  # seconds a server gets to answer the handshake, and a pass
 
 
 @dataclass
