@@ -396,7 +396,7 @@ def parse_args(argv: list[str] | None, prompts: dict[str, str]) -> argparse.Name
 
 
 def layer_count(path: Path) -> int:
-    from specli.models.header import read_gguf_metadata
+    from specli.gguf import read_gguf_metadata
 
     meta = read_gguf_metadata(path)
     return int(meta[f"{meta['general.architecture']}.block_count"])

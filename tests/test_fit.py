@@ -4,14 +4,17 @@ what llama.cpp allocates, the guide's worked example, and the fit/no-fit suggest
 from __future__ import annotations
 
 import struct
+from types import SimpleNamespace
 
 import pytest
 
-from specli.models import fit, header
+from specli import gguf as header
+from specli.models import fit
 
 from fixtures import synthetic
 from fixtures.helpers import context_for_kv, measure_kv_cache_bytes
 from specli.errors import ModelFileError, UsageError
+from specli.llama.devices import backend_devices
 from specli.models.registry import load_registry
 
 MIB = 1024 * 1024
@@ -197,8 +200,20 @@ def test_nvidia_smi_parsing_and_device_choice():
 
 
 def test_memory_detection_reports_its_source():
-    memory = fit.detect_memory()
+    memory = fit.detect_memory(query_devices=backend_devices)
     assert memory.kind in {"gpu", "unified", "ram"} and memory.total > 0 and memory.source
+
+
+def test_memory_detection_takes_the_device_list_it_is_handed(monkeypatch):
+    # fit imports nothing of specli.llama: the caller hands it llama.cpp's device query.
+    monkeypatch.setattr(fit.platform, "system", lambda: "Linux")
+    cpu = SimpleNamespace(name="CPU", description="x86", kind="cpu", free=MIB, total=2 * MIB)
+    gpus = [SimpleNamespace(name=f"CUDA{i}", description="H200", kind="gpu", free=free, total=140 * fit.GB)
+            for i, free in enumerate((90 * fit.GB, 120 * fit.GB))]
+    memory = fit.detect_memory(None, lambda: [cpu, *gpus])
+    assert (memory.kind, memory.name, memory.free, memory.source) == ("gpu", "CUDA1 (H200)", 120 * fit.GB, "llama.cpp device query")
+    assert memory.others == ("CUDA0 (H200)",)
+    assert fit.detect_memory("0", lambda: gpus).name == "CUDA0 (H200)"
 
 
 def test_missing_facts_name_the_download():

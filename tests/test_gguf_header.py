@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specli.models import fit, header
+from specli import gguf as header
+from specli.models import fit
 
 from fixtures import synthetic
 from specli.errors import ModelFileError

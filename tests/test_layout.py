@@ -1,4 +1,5 @@
-"""The package's layout holds: no import cycle, llama_cpp behind one package, the CLI on top,
+"""The package's layout holds: no import cycle, llama_cpp behind one package, the packages on
+floors with no import running back up, no two packages importing each other, the CLI on top,
 the pure parts free of the rest. Read from the source with ast (every import counts, those
 inside functions too); nothing is imported."""
 
@@ -73,6 +74,56 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# specli's packages and top-level modules, bottom floor first. Each imports only from floors
+# below its own (and from itself); those on one floor import nothing from each other.
+FLOORS = (
+    ("specli", "specli.errors", "specli.modes"),  # nothing of specli's: the version, errors, drafting modes
+    ("specli.files", "specli.gguf"),  # on errors: files, the GGUF header reader
+    ("specli.llama", "specli.models"),  # llama.cpp; the registry, hub and fit: side by side
+    ("specli.decoding",),
+    ("specli.session",),
+    ("specli.server",),
+    ("specli.cli",),
+    ("specli.__main__",),
+)
+
+
+def child(name: str, package: str) -> str | None:
+    """The module or subpackage of `package` that holds module `name` (None: not inside it,
+    or package's own __init__)."""
+    if not name.startswith(package + "."):
+        return None
+    return f"{package}.{name[len(package) + 1 :].split('.')[0]}"
+
+
+def top(name: str) -> str:
+    """The package or module of specli's own that holds `name` ("specli" for its __init__)."""
+    return child(name, "specli") or "specli"
+
+
+def floor(name: str) -> int:
+    return next(i for i, names in enumerate(FLOORS) if top(name) in names)
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) across specli's packages where the imported one is not on a lower floor."""
+    return sorted((a, b) for a, targets in graph.items() for b in targets if top(a) != top(b) and floor(b) >= floor(a))
+
+
+def two_way_ties(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Pairs of siblings (modules or subpackages of one package, at any depth, each with all
+    its modules) that import each other."""
+    packages = {name.rsplit(".", n)[0] for name in graph for n in range(1, name.count(".") + 1)}
+    arrows = set()
+    for a, targets in graph.items():
+        for b in targets:
+            for package in packages:
+                ca, cb = child(a, package), child(b, package)
+                if ca and cb and ca != cb:
+                    arrows.add((ca, cb))
+    return sorted((a, b) for a, b in arrows if a < b and (b, a) in arrows)
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
@@ -99,3 +150,37 @@ def test_the_pure_parts_import_nothing_but_each_other(name):
     # The policy, verification, stats and text are pure: tested on simulated numbers.
     pure = {m for m in MODULES if m.startswith("specli.decoding.policy")} | {"specli.decoding.policy"}
     assert GRAPH[name] <= pure | {"specli.decoding.verify"}, GRAPH[name]
+
+
+def test_every_package_of_specli_stands_on_a_floor():
+    placed = {name for names in FLOORS for name in names}
+    assert {top(name) for name in MODULES} == placed
+
+
+def test_no_import_runs_back_up_a_floor():
+    assert arrows_up(GRAPH) == []
+
+
+def test_the_llama_package_imports_nothing_above_it():
+    above = ("specli.models", "specli.decoding", "specli.session", "specli.server", "specli.cli")
+    for name in MODULES:
+        if name.startswith("specli.llama"):
+            assert not [m for m in GRAPH[name] if top(m) in above], name
+
+
+def test_no_two_packages_import_each_other():
+    assert two_way_ties(GRAPH) == []
+
+
+def test_the_floor_and_tie_checks_find_the_old_bug():
+    # The edges these rules were written for (issue 31): the header reader inside models/,
+    # llama/model.py reading it, fit asking llama/ for the devices and the compat numbers.
+    old = {name: set(targets) for name, targets in GRAPH.items()}
+    old["specli.models.header"] = {"specli.errors"}
+    old["specli.llama.model"] |= {"specli.models.header"}
+    old["specli.models.fit"] |= {"specli.models.header", "specli.llama.devices", "specli.llama.compat"}
+    assert ("specli.llama.model", "specli.models.header") in arrows_up(old)
+    assert ("specli.models.fit", "specli.llama.devices") in arrows_up(old)  # (one floor: no arrow either way)
+    assert two_way_ties(old) == [("specli.llama", "specli.models")]
+    assert find_cycle(old) is None  # which the cycle test alone did not see
+    assert two_way_ties({"p.a.x": {"p.b"}, "p.b": {"p.a.y"}, "p.a.y": set()}) == [("p.a", "p.b")]

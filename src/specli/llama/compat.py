@@ -3,7 +3,9 @@
 Drafts are token ids, so both models must mean the same thing by every id: same vocabulary type,
 same BOS and EOS, vocabulary sizes within 128 of each other (padding differs between exports),
 and identical token texts from id 5 on (the first few are special tokens that exports name
-differently).
+differently). The two numbers live in specli/gguf.py, a floor below this package, where
+models/fit.py (which imports nothing of specli.llama) reads them too, to check a pair on its
+headers before anything is loaded.
 """
 
 from __future__ import annotations
@@ -11,10 +13,8 @@ from __future__ import annotations
 from typing import Callable
 
 from specli.errors import IncompatibleDraftError
+from specli.gguf import FIRST_CHECKED_TOKEN_ID, MAX_VOCAB_SIZE_DIFFERENCE
 from specli.llama.model import VOCAB_TYPE_NAMES, VocabInfo
-
-MAX_VOCAB_SIZE_DIFFERENCE = 128
-FIRST_CHECKED_TOKEN_ID = 5
 
 
 def check_compatible(

@@ -10,9 +10,8 @@ import numpy as np
 import llama_cpp
 
 from specli.errors import SettingError, SpecliError
-from specli.llama.devices import default_threads
-from specli.llama.model import FLASH_ATTN, KV_TYPES, LlamaModel, free_context, sync_cache
-from specli.llama.native import interrupt_requested, last_native_error, native, native_pass
+from specli.llama.model import LlamaModel, context_params, free_context, sync_cache
+from specli.llama.native import last_native_error, native_pass
 
 MIN_CTX = 16
 # llama.cpp keeps n_ctx in 32 bits (a larger -c would wrap around silently); 16M tokens is more
@@ -43,21 +42,11 @@ class MultiSequenceContext:
         n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
     ):  # fmt: skip
         assert n_seq >= 1
-        threads = n_threads or default_threads()
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = n_seq * n_ctx_per_seq
+        cparams = context_params(n_ctx=n_seq * n_ctx_per_seq, n_batch=n_batch, n_threads=n_threads,
+                                 kv_type=kv_type, flash_attn=flash_attn)
         cparams.n_seq_max = n_seq
         cparams.kv_unified = True
-        cparams.n_batch = cparams.n_ubatch = n_batch
-        cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.no_perf = True
-        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
-        cparams.flash_attn_type = FLASH_ATTN[flash_attn]
-        with native:
-            ctx = llama_cpp.llama_init_from_model(model._model, cparams)
-            if interrupt_requested() and ctx:
-                llama_cpp.llama_free(ctx)
-                ctx = None
+        ctx = model.new_context(cparams)
         if not ctx:
             reason = last_native_error() or "not enough memory?"
             raise SpecliError(
@@ -133,7 +122,9 @@ class MultiSequenceContext:
 
     def close(self) -> None:
         """Free the context and batch (safe to call twice; the weights belong to the model)."""
-        free_context(self)
+        if getattr(self, "_ctx", None):  # (a half-built one has none)
+            free_context(self._ctx, self._batch)
+            self._ctx = None
 
 
 class SequenceView:

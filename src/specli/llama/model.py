@@ -25,12 +25,12 @@ import numpy as np
 import llama_cpp
 
 from specli.errors import ModelFileError, SpecliError
+from specli.gguf import check_model_header
 from specli.llama.devices import default_threads
 from specli.llama.native import (
     clear_native_log, ensure_backend, interrupt_requested, last_native_error, native, native_pass, progress_callback,
     warn_about_amx,
 )  # fmt: skip
-from specli.models.header import check_model_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -117,7 +117,17 @@ class LlamaModel:
         check_gguf_file(path)
         check_model_header(path)  # header facts llama.cpp would abort on
         self.path = path
+        self._load_weights(n_gpu_layers, devices, tensor_split)
+        self._create_context(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn)
+        self.cached: list[int] = []
+        self.synced_new = 0  # tokens the latest sync() evaluated
+        # Logits of the newest cached token, when the latest eval produced them (else None).
+        self._tail_logits: np.ndarray | None = None
+        self._pieces: dict[int, bytes] = {}
+        self._longest: int | None = None
 
+    def _load_weights(self, n_gpu_layers: int, devices: Sequence[int] | None, tensor_split: Sequence[float] | None) -> None:
+        """Load self.path's weights (`_model`) and its vocabulary; ModelFileError if llama.cpp cannot."""
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         mparams.progress_callback = progress_callback  # cancels the load on Ctrl-C
@@ -131,43 +141,31 @@ class LlamaModel:
             mparams.tensor_split = ctypes.cast(split_array, fields["tensor_split"])
         clear_native_log()
         with native:
-            model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+            model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
             if interrupt_requested():  # cancelled (or loaded just as Ctrl-C came): give it back
                 if model:
                     llama_cpp.llama_model_free(model)
                 model = None
         if not model:
             reason = last_native_error() or "the file is truncated, corrupt or of an unsupported architecture"
-            raise ModelFileError(f"llama.cpp could not load {path}: {reason} (re-download the file; --verbose shows llama.cpp's log)")
+            raise ModelFileError(f"llama.cpp could not load {self.path}: {reason} (re-download the file; --verbose shows llama.cpp's log)")
         self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
 
-        threads = n_threads or default_threads()
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = n_batch
-        cparams.n_ubatch = n_batch
-        cparams.n_threads = threads
-        cparams.n_threads_batch = threads
-        cparams.no_perf = True
-        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
-        cparams.flash_attn_type = FLASH_ATTN[flash_attn]
+    def _create_context(self, *, n_ctx: int, n_batch: int, n_threads: int | None, kv_type: str, flash_attn: str) -> None:
+        """Create this model's own context (`_ctx`) and batch on the loaded weights. If it
+        cannot be made (SpecliError) or a Ctrl-C comes meanwhile, the weights are freed too."""
+        cparams = context_params(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn)
         try:
-            with native:
-                ctx = llama_cpp.llama_init_from_model(model, cparams)
-                if interrupt_requested() and ctx:
-                    llama_cpp.llama_free(ctx)
-                    ctx = None
+            ctx = self.new_context(cparams)
         except BaseException:  # Ctrl-C while the context was made: free the weights too
-            llama_cpp.llama_model_free(model)
-            self._model = None
+            self._free_weights()
             raise
         if not ctx:
-            llama_cpp.llama_model_free(model)
-            self._model = None
+            self._free_weights()
             reason = last_native_error() or "not enough memory?"
-            raise SpecliError(f"llama.cpp could not create a {n_ctx}-token context for {path}: {reason} (try a smaller -c)")
+            raise SpecliError(f"llama.cpp could not create a {n_ctx}-token context for {self.path}: {reason} (try a smaller -c)")
         self._ctx = ctx
         self._memory = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
@@ -175,12 +173,17 @@ class LlamaModel:
         # on a longer decode, while it pads the context itself to 256: chunk by its figure.
         self.n_batch = int(llama_cpp.llama_n_batch(ctx))
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-        self.cached: list[int] = []
-        self.synced_new = 0  # tokens the latest sync() evaluated
-        # Logits of the newest cached token, when the latest eval produced them (else None).
-        self._tail_logits: np.ndarray | None = None
-        self._pieces: dict[int, bytes] = {}
-        self._longest: int | None = None
+
+    def new_context(self, cparams: llama_cpp.llama_context_params):
+        """A new llama.cpp context (llama_context *) on these weights, or None when llama.cpp
+        cannot make one (last_native_error() may say why). A Ctrl-C meanwhile frees it and
+        raises KeyboardInterrupt. The caller owns it: free it with free_context."""
+        with native:
+            ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+            if interrupt_requested() and ctx:
+                llama_cpp.llama_free(ctx)
+                ctx = None
+        return ctx
 
     # --- facts about the model ----------------------------------------------------------------
     @property
@@ -347,14 +350,22 @@ class LlamaModel:
         """Free this model's own context (its KV cache and buffers), keeping the weights, for a
         caller that evaluates only through other contexts on them (MultiSequenceContext): on a
         GPU the unused cache would hold memory those need. Evaluating afterwards is a bug."""
-        free_context(self)
+        self._free_context()
         self._memory = None
         self.cached.clear()
         self._tail_logits = None
 
     def close(self) -> None:
         """Free the context, batch and weights (safe to call twice)."""
-        free_context(self)
+        self._free_context()
+        self._free_weights()
+
+    def _free_context(self) -> None:
+        if getattr(self, "_ctx", None):  # (a half-built model has none)
+            free_context(self._ctx, self._batch)
+            self._ctx = None
+
+    def _free_weights(self) -> None:
         if getattr(self, "_model", None):
             llama_cpp.llama_model_free(self._model)
             self._model = None
@@ -379,13 +390,26 @@ class LlamaModel:
         self._remove_from(len(self.cached))
 
 
-def free_context(owner: object) -> None:
-    """Free owner._ctx and owner._batch (a LlamaModel or a MultiSequenceContext) if they are
-    still held (a half-built owner has neither)."""
-    if getattr(owner, "_ctx", None):
-        llama_cpp.llama_batch_free(owner._batch)
-        llama_cpp.llama_free(owner._ctx)
-        owner._ctx = None
+def context_params(*, n_ctx: int, n_batch: int, n_threads: int | None, kv_type: str,
+                   flash_attn: str) -> llama_cpp.llama_context_params:
+    """llama.cpp's context parameters as specli sets them (a LlamaModel's own context, a
+    MultiSequenceContext's, which adds its sequences): n_threads None = default_threads()."""
+    threads = n_threads or default_threads()
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = n_ctx
+    cparams.n_batch = cparams.n_ubatch = n_batch
+    cparams.n_threads = cparams.n_threads_batch = threads
+    cparams.no_perf = True
+    cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+    cparams.flash_attn_type = FLASH_ATTN[flash_attn]
+    return cparams
+
+
+def free_context(ctx, batch) -> None:
+    """Free a context (from LlamaModel.new_context) and the batch made for it; the owner, a
+    LlamaModel or a MultiSequenceContext, calls it with its own and then drops them."""
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
 
 
 def sync_cache(model: LlamaModel, context: Sequence[int]) -> np.ndarray:

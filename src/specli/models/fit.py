@@ -1,8 +1,9 @@
 """`specli fit`: will a target, its draft and both KV caches fit in this machine's memory?
 
 Everything here is arithmetic on facts that need no model loading: GGUF header metadata (read
-by header.py's small reader, so the `gguf` package stays a test dependency) or the facts stored in
-models.toml, the file sizes, and the memory of the device llama.cpp would use.
+by specli.gguf's small reader, so the `gguf` package stays a test dependency) or the facts stored
+in models.toml, the file sizes, and the memory of the device llama.cpp would use (its device list
+handed in by the caller: nothing here imports specli.llama, the floor below).
 
 The KV cache follows llama.cpp as llama-cpp-python 0.3.36 bundles it (its src/ files named below):
 - the context is padded to a multiple of 256 (llama-context.cpp: GGML_PAD(n_ctx, 256));
@@ -23,10 +24,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from specli.errors import ModelFileError, UsageError
-from specli.models.header import LongArray, check_metadata, read_gguf_metadata
+from specli.gguf import FIRST_CHECKED_TOKEN_ID, MAX_VOCAB_SIZE_DIFFERENCE, LongArray, check_metadata, read_gguf_metadata
 
 GB = 1_000_000_000  # the guide's sizes are decimal gigabytes
 CTX_PAD = 256
@@ -319,10 +320,15 @@ def _nvidia_smi_gpus() -> list[tuple[str, int, int]]:
     return parse_nvidia_smi(out.stdout) if out.returncode == 0 else []
 
 
-def detect_memory(device: str | None = None) -> DeviceMemory:
+def detect_memory(device: str | None = None, query_devices: Callable[[], Iterable[Any]] | None = None) -> DeviceMemory:
     """Find the memory to fit into: a GPU (llama.cpp's device query, else nvidia-smi), Apple
     Silicon's unified memory, or system RAM (psutil). `device` picks a GPU by index or by a
     part of its name; without it the GPU with the most free memory is used.
+
+    query_devices: llama.cpp's device list, asked only when a GPU is looked for (the caller
+    passes specli.llama.devices.backend_devices: this package stands above llama/ and imports
+    nothing from it). Each item has name, description, kind ("gpu", "igpu", ...), free and total
+    bytes; None asks nvidia-smi alone.
     Raises UsageError when `device` matches nothing.
     """
     import psutil
@@ -334,9 +340,8 @@ def detect_memory(device: str | None = None) -> DeviceMemory:
             raise UsageError("--device: Apple Silicon has one unified memory; drop --device")
         return DeviceMemory("unified", "Apple Silicon unified memory", ram_free, ram_total, ram_free, ram_total, "psutil (unified memory)")
 
-    from specli.llama.devices import backend_devices
-
-    gpus = [(f"{d.name} ({d.description})", d.free, d.total) for d in backend_devices() if d.kind in ("gpu", "igpu")]
+    listed = query_devices() if query_devices is not None else ()
+    gpus = [(f"{d.name} ({d.description})", d.free, d.total) for d in listed if d.kind in ("gpu", "igpu")]
     source = "llama.cpp device query"
     if not gpus:
         gpus, source = _nvidia_smi_gpus(), "nvidia-smi"
@@ -513,8 +518,6 @@ def vocab_facts(meta: dict[str, Any]) -> VocabFacts | None:
 def vocab_problem(target: ModelShape, draft: ModelShape) -> str | None:
     """Why `draft` cannot draft for `target` as far as their headers (or models.toml's n_vocab)
     tell, in compat.py's words, or None: no difference seen (the load checks the rest)."""
-    from specli.llama.compat import FIRST_CHECKED_TOKEN_ID, MAX_VOCAB_SIZE_DIFFERENCE
-
     t, d = target.vocab, draft.vocab
     head = f"{draft.label} cannot draft for {target.label}: "
     if t is not None and d is not None:

@@ -4,6 +4,12 @@ llama.cpp aborts the interpreter on some header facts (too many layers or expert
 scaling); a lying header must never hang, crash or abort specli, so the file is read here first,
 with every count and length checked against the bytes left and a limit. The `gguf` package stays
 a test dependency.
+
+It stands on the bottom floor (beside errors.py and files.py), below both of its users, which
+import nothing of each other: llama/model.py checks a header before the load, models/fit.py does
+its arithmetic on one. The numbers of llama.cpp's draft/target vocabulary rule live here too, for
+the same two: llama/compat.py applies the rule to loaded vocabularies, models/fit.py to the
+tokenizer facts of headers (tokenizer.ggml.*), before anything is loaded.
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS: more aborts the interpreter
 MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS
 _U32 = 1 << 32
 _Q = struct.Struct("<Q")
+
+# llama.cpp's rule for a draft speaking for a target (common/speculative.cpp): vocabulary sizes
+# within 128 of each other (padding differs between exports), identical token texts from id 5 on
+# (the first few are special tokens that exports name differently).
+MAX_VOCAB_SIZE_DIFFERENCE = 128
+FIRST_CHECKED_TOKEN_ID = 5
 
 
 class _Corrupt(Exception):
