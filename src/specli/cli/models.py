@@ -345,6 +345,7 @@ def fit_cmd(
     registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
 ) -> int:
     """Will the target, the draft and both KV caches fit in this machine's memory? Exit 0 yes, 3 no."""
+    from specli.llama.devices import backend_devices
     from specli.models import fit
     from specli.models.registry import load_effective_registry
 
@@ -356,7 +357,7 @@ def fit_cmd(
         problem = fit.kv_type_problem(shape, kv_type) if shape is not None else None
         if problem:
             raise UsageError(problem)
-    machine = fit.detect_memory(device)
+    machine = fit.detect_memory(device, backend_devices)
     overhead = round(overhead_gb * fit.GB)
     est = fit.estimate(target, draft_shape, n_ctx=ctx, kv_type=kv_type, n_draft=n_draft, overhead=overhead)
     if memory.rpc is not None:
