@@ -3,7 +3,7 @@
 Everything here is arithmetic on facts that need no model loading: GGUF header metadata (read
 by specli.gguf's small reader, so the `gguf` package stays a test dependency) or the facts stored
 in models.toml, the file sizes, and the memory of the device llama.cpp would use (its device list
-handed in by the caller: nothing here imports specli.llama, the floor below).
+handed in by the caller: models/ and llama/ stand side by side, importing nothing of each other).
 
 The KV cache follows llama.cpp as llama-cpp-python 0.3.36 bundles it (its src/ files named below):
 - the context is padded to a multiple of 256 (llama-context.cpp: GGML_PAD(n_ctx, 256));
@@ -326,8 +326,8 @@ def detect_memory(device: str | None = None, query_devices: Callable[[], Iterabl
     part of its name; without it the GPU with the most free memory is used.
 
     query_devices: llama.cpp's device list, asked only when a GPU is looked for (the caller
-    passes specli.llama.devices.backend_devices: this package stands above llama/ and imports
-    nothing from it). Each item has name, description, kind ("gpu", "igpu", ...), free and total
+    passes specli.llama.devices.backend_devices: models/ and llama/ import nothing of each
+    other). Each item has name, description, kind ("gpu", "igpu", ...), free and total
     bytes; None asks nvidia-smi alone.
     Raises UsageError when `device` matches nothing.
     """
