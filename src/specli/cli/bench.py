@@ -1,8 +1,9 @@
 """`specli bench`: measure what speculative decoding gets on this machine, pair and prompts.
 
 The models load once; every configuration (target-only, then each N) runs in this process
-through SpeculativeDecoder, in the interleaved order of bench.schedule. The pure parts live in
-session/bench.py.
+through SpeculativeDecoder, in the interleaved order of bench.schedule. The measuring loop and
+the numbers live in session/bench.py; this module parses the options, shows the progress and
+renders the tables.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from specli.cli.options import Memory, Models, Quiet, Sampling, Threads, Verbose
 from specli.decoding.sampling import sampling_json
 from specli.errors import UsageError
 from specli.files import check_writable
-from specli.session import bench
+from specli.llama.native import init_backend
 from specli.modes import DraftMode
+from specli.session import bench
+from specli.session.loading import plan
 
 MATPLOTLIB_MISSING = "--plot needs matplotlib, which is not installed; pip install matplotlib"
 
@@ -48,9 +51,6 @@ def bench_command(
     """Measure target-only vs speculative decoding for several N on a prompt set, and say
     whether speculative decoding pays off. Greedy by default (--temperature 0), which measures
     cleanly; --temperature > 0 samples, with a seed per round."""
-    from specli.llama.native import init_backend
-    from specli.session.loading import plan
-
     ns = bench.parse_ns(ns_text)
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed)
     prompts = bench.parse_prompt_file(prompts_file) if prompts_file else list(bench.BUILTIN_PROMPTS)
@@ -93,71 +93,25 @@ def _require_matplotlib() -> None:
 
 
 def _measure(loaded, prompts, ns, repeat, max_tokens, sampling, *, quiet: bool) -> list[dict]:
-    """Run bench.schedule with the loaded models; one record (dict) per run.
-
-    Needs `loaded` from loading.load (a drafting plan). The target-only decoder shares the
-    target model; the speculative one is the loaded decoder with n_draft set per run.
-    """
+    """session/bench.py's BenchLoop with a progress bar on a terminal; one record (dict) per run."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from specli.decoding.engine import SpeculativeDecoder
     from specli.cli.render import stderr_console
 
-    model_tgt = loaded.model_tgt
-    add_bos = model_tgt.vocab_info().add_bos
-    ids = [model_tgt.tokenize(p.text, add_bos=add_bos) for p in prompts]
-    for prompt, prompt_ids in zip(prompts, ids):
-        if len(prompt_ids) + 1 >= model_tgt.n_ctx:
-            raise UsageError(f"prompt '{prompt.name}' is {len(prompt_ids)} tokens but the context holds {model_tgt.n_ctx}; raise -c")
-    plain = SpeculativeDecoder(model_tgt, None, 0, sampling)
-    spec = loaded.decoder
-    _warm_up(plain, spec, ids[0], ns[0])
-    jobs = bench.schedule(len(prompts), ns, repeat)
+    loop = bench.BenchLoop(loaded, prompts, ns, repeat, max_tokens, sampling)  # (checks the prompts, warms up)
     records = []
     show = not quiet and sys.stderr.isatty()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr_console(), transient=True, disable=not show) as progress:
-        task = progress.add_task("bench", total=len(jobs))
-        for job in jobs:
-            prompt = prompts[job.prompt]
-            progress.update(task, description=f"round {job.round + 1}/{repeat} {prompt.name} " + (f"N={job.n}" if job.n else "target-only"))
-            decoder = plain if job.n == bench.NO_DRAFTING else spec
-            if job.n:
-                decoder.set_n_draft(job.n)
-            if not sampling.greedy:
-                decoder.sampling = dataclasses.replace(sampling, seed=bench.run_seed(sampling.seed, job.round))
-            budget = bench.token_budget(prompt, max_tokens)
-            records.append(_one_run(decoder, ids[job.prompt], budget, job, prompt, loaded.plan.mode))
-            progress.advance(task)
+        task = progress.add_task("bench", total=len(loop.jobs))
+        for event in loop.runs():
+            if isinstance(event, bench.Starting):
+                job = event.job
+                progress.update(task, description=f"round {job.round + 1}/{repeat} {event.prompt.name} " + (f"N={job.n}" if job.n else "target-only"))
+            else:
+                records.append(event.record)
+                progress.advance(task)
     return records
-
-
-def _warm_up(plain, spec, prompt_ids, n: int) -> None:
-    """A few untimed tokens through both decoders: the first runs of a process are slower
-    (allocations, caches), and that must not count against whichever configuration is first."""
-    spec.set_n_draft(n)
-    for decoder in (plain, spec):
-        decoder.generate(prompt_ids, max_tokens=8).run()
-
-
-def _one_run(decoder, prompt_ids, budget, job, prompt, mode) -> dict:
-    """Generate once and return its record (see bench.RECORD_FIELDS)."""
-    gen = decoder.generate(prompt_ids, max_tokens=budget)
-    rejections = 0  # steps that ended at a rejected draft: for the estimate of α
-    for step in gen:
-        if step.n_drafted and step.n_accepted < step.n_drafted:
-            rejections += 1
-    st = gen.stats
-    return {
-        "round": job.round, "prompt": prompt.name, "scenario": prompt.scenario, "n_draft": job.n,
-        "drafter": mode if job.n else None, "seed": gen.seed, "max_tokens": budget,
-        "n_tokens": st.n_tokens, "stop_reason": gen.stop_reason, "tokens_per_s": st.tokens_per_s,
-        "generation_s": st.generation_s, "prompt_tokens": st.prompt_tokens, "prompt_s": st.prompt_s,
-        "drafted": st.drafted, "accepted": st.accepted, "rejections": rejections,
-        "acceptance_rate": st.acceptance_rate, "target_passes": st.target_passes,
-        "mean_tokens_per_pass": st.mean_tokens_per_pass, "draft_s": st.draft_s, "verify_s": st.verify_s,
-        "mean_draft_length": st.mean_draft_length,
-    }  # fmt: skip
 
 
 def _fmt(value, spec: str, suffix: str = "") -> str:

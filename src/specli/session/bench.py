@@ -1,6 +1,8 @@
-"""The pure parts of `specli bench`: prompts, the run schedule, aggregation and the verdicts.
+"""`specli bench` without its rendering: prompts, the run schedule, the loop that measures it
+(BenchLoop, on models the caller loaded), aggregation and the verdicts.
 
-Nothing here loads a model or times anything; cli/bench.py runs the schedule and renders.
+Nothing here loads a model, and only BenchLoop runs one; cli/bench.py loads the pair, shows the
+progress and renders the tables.
 Vocabulary:
 - a *configuration* is a draft length N; N = 0 stands for target-only decoding (the baseline);
 - a *record* is one measured run: one prompt, one configuration, one round (a dict of numbers);
@@ -15,10 +17,15 @@ import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Sequence
 
-from specli.decoding.engine import AUTO, MAX_DRAFT, parse_draft_length
+from specli.decoding.engine import AUTO, MAX_DRAFT, SpeculativeDecoder, parse_draft_length
 from specli.errors import UsageError
 from specli.files import read_limited, replace_text, strip_bom
+
+if TYPE_CHECKING:
+    from specli.decoding.sampling import SamplingParams
+    from specli.session.loading import Loaded
 
 DEFAULT_NS = (AUTO, 1, 2, 3, 5, 8, 12)
 NO_DRAFTING = 0  # the configuration "N = 0": no drafting
@@ -215,6 +222,90 @@ def run_seed(base: int | None, round_: int) -> int:
     """The seed of every run in a round when sampling: base (--seed, default 0) + round, the same
     for all configurations of that round so they face comparable draws."""
     return (base or 0) + round_
+
+
+# ------------------------------------------------------------------------------------------
+# Measuring
+
+
+@dataclass(frozen=True)
+class Starting:
+    """BenchLoop is about to run `job` (on `prompt`)."""
+
+    job: BenchJob
+    prompt: BenchPrompt
+
+
+@dataclass(frozen=True)
+class Measured:
+    """BenchLoop ran `job`: its record (see RECORD_FIELDS)."""
+
+    job: BenchJob
+    record: dict
+
+
+class BenchLoop:
+    """The schedule run on loaded models, in this process, through SpeculativeDecoder.
+
+    Needs `loaded` from loading.load (a drafting plan). The target-only decoder shares the
+    target model; the speculative one is the loaded decoder with n_draft set per run. Making
+    one tokenizes the prompts (UsageError when one does not fit the context) and warms both
+    decoders up; runs() then runs `jobs` in order.
+    """
+
+    def __init__(self, loaded: "Loaded", prompts: Sequence[BenchPrompt], ns: list[int | str], repeat: int,
+                 max_tokens: int, sampling: "SamplingParams"):  # fmt: skip
+        model_tgt = loaded.model_tgt
+        add_bos = model_tgt.vocab_info().add_bos
+        self._ids = [model_tgt.tokenize(p.text, add_bos=add_bos) for p in prompts]
+        for prompt, prompt_ids in zip(prompts, self._ids):
+            if len(prompt_ids) + 1 >= model_tgt.n_ctx:
+                raise UsageError(f"prompt '{prompt.name}' is {len(prompt_ids)} tokens but the context holds {model_tgt.n_ctx}; raise -c")
+        self._prompts, self._max_tokens, self._sampling = list(prompts), max_tokens, sampling
+        self._mode = loaded.plan.mode
+        self._plain = SpeculativeDecoder(model_tgt, None, 0, sampling)
+        self._spec = loaded.decoder
+        self._warm_up(self._ids[0], ns[0])
+        self.jobs = schedule(len(prompts), ns, repeat)
+
+    def _warm_up(self, prompt_ids: list[int], n: int | str) -> None:
+        """A few untimed tokens through both decoders: the first runs of a process are slower
+        (allocations, caches), and that must not count against whichever configuration is first."""
+        self._spec.set_n_draft(n)
+        for decoder in (self._plain, self._spec):
+            decoder.generate(prompt_ids, max_tokens=8).run()
+
+    def runs(self) -> Iterator[Starting | Measured]:
+        """Each job: Starting, then (once generated) Measured with its record. When sampling,
+        every run of round r draws from run_seed(the sampling's seed, r)."""
+        for job in self.jobs:
+            prompt = self._prompts[job.prompt]
+            yield Starting(job, prompt)
+            decoder = self._plain if job.n == NO_DRAFTING else self._spec
+            if job.n:
+                decoder.set_n_draft(job.n)
+            seed = None if self._sampling.greedy else run_seed(self._sampling.seed, job.round)
+            yield Measured(job, self._one_run(decoder, job, prompt, seed))
+
+    def _one_run(self, decoder: SpeculativeDecoder, job: BenchJob, prompt: BenchPrompt, seed: int | None) -> dict:
+        """Generate once and return its record (see RECORD_FIELDS)."""
+        budget = token_budget(prompt, self._max_tokens)
+        gen = decoder.generate(self._ids[job.prompt], max_tokens=budget, seed=seed)
+        rejections = 0  # steps that ended at a rejected draft: for the estimate of α
+        for step in gen:
+            if step.n_drafted and step.n_accepted < step.n_drafted:
+                rejections += 1
+        st = gen.stats
+        return {
+            "round": job.round, "prompt": prompt.name, "scenario": prompt.scenario, "n_draft": job.n,
+            "drafter": self._mode if job.n else None, "seed": gen.seed, "max_tokens": budget,
+            "n_tokens": st.n_tokens, "stop_reason": gen.stop_reason, "tokens_per_s": st.tokens_per_s,
+            "generation_s": st.generation_s, "prompt_tokens": st.prompt_tokens, "prompt_s": st.prompt_s,
+            "drafted": st.drafted, "accepted": st.accepted, "rejections": rejections,
+            "acceptance_rate": st.acceptance_rate, "target_passes": st.target_passes,
+            "mean_tokens_per_pass": st.mean_tokens_per_pass, "draft_s": st.draft_s, "verify_s": st.verify_s,
+            "mean_draft_length": st.mean_draft_length,
+        }  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------
