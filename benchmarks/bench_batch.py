@@ -28,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specli.session.batch import Item  # noqa: E402
-from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, run_sequential  # noqa: E402
+from specli.decoding.engine import DecoderPool  # noqa: E402
+from specli.decoding.parallel import ItemDone, ParallelRunner, run_sequential  # noqa: E402
 from specli.decoding.drafters import make_drafter  # noqa: E402
 from specli.llama.model import LlamaModel  # noqa: E402
 from specli.llama.native import init_backend  # noqa: E402

@@ -14,7 +14,8 @@ import pytest
 
 from conftest import FIXTURE_CTX
 from specli.session import batch
-from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, SharedPassCost, run_sequential
+from specli.decoding.engine import DecoderPool, SharedPassCost
+from specli.decoding.parallel import ItemDone, ParallelRunner, run_sequential
 from specli.decoding.drafters import make_drafter
 from specli.llama.model import LlamaModel
 from specli.decoding.sampling import GREEDY, SamplingParams
@@ -389,13 +390,13 @@ def test_parallel_runs_several_sequences_per_pass_and_fills_free_slots(pair_pert
     runner = ParallelRunner(model, "lookup", 4, 3, n_threads=1, kv_type="f32", flash_attn="off")
     try:
         order, width = [], []
-        original_eval = runner.seqs.eval
+        original_eval = runner.loop.passes.eval
 
         def spy(requests, **kwargs):
             width.append(len(requests))
             return original_eval(requests, **kwargs)
 
-        runner.seqs.eval = spy
+        runner.loop.passes.eval = spy
         for event in runner.run(engine_items(PROMPTS, max_tokens=(30, 5, 12))):
             if isinstance(event, ItemDone):
                 order.append(event.item.id)

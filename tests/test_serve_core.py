@@ -152,8 +152,8 @@ def draft_scheduler(model, draft, spy, **kw) -> Scheduler:
     decoder = SpeculativeDecoder(model, make_drafter("draft-model", draft), 4, GREEDY)
     loaded = Loaded(Plan(model.path, draft.path, "draft-model", 4, GREEDY), model, draft, decoder)
     scheduler = Scheduler(loaded, queue_limit=16, n_threads=1, kv_type="f32", flash_attn="off", **kw)
-    original = scheduler.runner.draft_seqs.eval
-    scheduler.runner.draft_seqs.eval = lambda requests, **kw: spy(requests) or original(requests, **kw)
+    original = scheduler.loop.draft_passes.eval
+    scheduler.loop.draft_passes.eval = lambda requests, **kw: spy(requests) or original(requests, **kw)
     return scheduler
 
 

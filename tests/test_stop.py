@@ -13,8 +13,8 @@ import pytest
 
 from conftest import load
 from specli.decoding.drafters import make_drafter
-from specli.decoding.engine import SpeculativeDecoder
-from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, run_sequential
+from specli.decoding.engine import DecoderPool, SpeculativeDecoder
+from specli.decoding.parallel import ItemDone, ParallelRunner, run_sequential
 from specli.decoding.sampling import GREEDY
 from specli.decoding.text import TextStream
 from specli.errors import UsageError

@@ -197,7 +197,8 @@ def _resume_notice(path: Path, previous: batch.Previous, entries: list[batch.Ent
 
 def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, quiet: bool, prepare=None) -> batch.Summary:
     """Generate every item not yet done, writing each record as it completes."""
-    from specli.decoding.parallel import DecoderPool, ItemDone, ParallelRunner, run_sequential
+    from specli.decoding.engine import DecoderPool
+    from specli.decoding.parallel import ItemDone, ParallelRunner, run_sequential
 
     done_before = previous.done if previous is not None else set()
     summary = batch.Summary(items=len(entries))

@@ -13,13 +13,16 @@ event for the UI); its fields always describe what has been produced so far, so 
 run keeps its text and stats.
 
 A step per sequence is `SequenceStep`'s: `plan()` drafts before the target pass, `commit()`
-verifies and books that sequence's rows after it. Both loops use it, `SpeculativeDecoder` with
-a pass over one sequence and parallel.py's `ParallelRunner` with one over many; only how the
-pass runs is theirs.
+verifies and books that sequence's rows after it. `StepLoop` holds the sequences of one target
+and does one step for all of them around one pass: every front end drives it, `run` and `chat`
+with one sequence (`generate()`), `batch` (parallel.py) and `serve` (server/scheduler.py) with
+one or several, feeding it and draining it by their own rules.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -27,10 +30,11 @@ from typing import Generator, Iterator, Sequence
 
 import numpy as np
 
-from specli.decoding.drafters import Drafter, Proposal
-from specli.errors import SettingError, UsageError
-from specli.llama.context import SequenceView
+from specli.decoding.drafters import Drafter, Proposal, make_drafter
+from specli.errors import SettingError, SpecliError, UsageError
+from specli.llama.context import MultiSequenceContext, SequenceView
 from specli.llama.model import LlamaModel, common_prefix_len, fill_cache
+from specli.modes import DraftMode
 from specli.decoding.policy import FIXED, AdaptivePolicy, DraftJudge, StepReport
 from specli.decoding.sampling import GREEDY, Dist, SamplingParams, distribution, make_rng, penalized_row, penalty_history, verify_sampled
 from specli.decoding.stats import Stats
@@ -267,9 +271,11 @@ class SpeculativeDecoder:
 
     def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, stop: Sequence[str] = (), seed: int | None = None) -> Generation:
         """Start generating after `prompt_ids` (which must include BOS if the model wants it);
-        it ends at the first of the `stop` strings (Generation.stop). `seed`: as sequence()'s."""
-        seq = self.sequence(prompt_ids, max_tokens=max_tokens, cache=self.model_tgt, max_pass=self.model_tgt.n_batch, stop=stop, seed=seed)
-        seq.gen._steps = self._steps(seq)
+        it ends at the first of the `stop` strings (Generation.stop). `seed`: as sequence()'s.
+        The step loop with one sequence, on the target's own context."""
+        loop = StepLoop.on_model(self.model_tgt, DecoderPool(self.model_tgt, self.drafter, self.n_draft_label, first=self))
+        seq = loop.start(0, prompt_ids, sampling=self.sampling, max_tokens=max_tokens, stop=stop, seed=seed)
+        seq.gen._steps = _one_sequence(loop)
         return seq.gen
 
     def sequence(
@@ -303,18 +309,6 @@ class SpeculativeDecoder:
             seed = seed if seed is not None else int(np.random.SeedSequence().entropy % 2**32)
         gen = Generation(prompt_ids=prompt, seed=seed, stop=check_stop(stop), _stream=TextStream(self.model_tgt.piece))
         return SequenceStep(self, gen, cache, max_tokens, max_pass)
-
-    def _steps(self, seq: "SequenceStep") -> Iterator[Step]:
-        """The loop on the target alone: each pass evaluates this one sequence."""
-        model_tgt = self.model_tgt
-        seq.begin()
-        while not seq.ended():
-            tokens = seq.plan()
-            t_pass = time.perf_counter()
-            cpu_pass = time.process_time()  # (CPU use per second of the pass tells contention)
-            rows = model_tgt.eval(tokens, logits="all")
-            cpu_s = time.process_time() - cpu_pass
-            yield seq.commit(rows, time.perf_counter() - t_pass, cpu_s=cpu_s)
 
     def verify(self, logits_tgt: np.ndarray, proposal: Proposal, context: list[int], rng) -> Verdict:
         """Greedy: exact match against the argmax. Sampling: rejection sampling against p."""
@@ -477,6 +471,318 @@ class SequenceStep:
         gen.stats.verify_s += pass_s + verify_s  # (a shared pass: its whole wall time)
         gen.stats.generation_s = time.perf_counter() - self._t_gen
         return step
+
+
+class ModelPasses:
+    """The target's own context behind MultiSequenceContext's pass API: one sequence (`run`,
+    `chat`, `batch --parallel 1`, `serve --parallel 1`)."""
+
+    n_seq = 1
+
+    def __init__(self, model: LlamaModel):
+        self.model = model
+        self.n_batch = model.n_batch
+
+    def eval(self, requests: dict[int, list[int]], *, logits: str = "all") -> dict[int, np.ndarray]:
+        return {s: self.model.eval(tokens, logits=logits) for s, tokens in requests.items()}
+
+    def clear(self, s: int) -> None:
+        self.model.reset()
+
+    def close(self) -> None:
+        pass  # (the context is the model's own)
+
+
+class DecoderPool:
+    """One SpeculativeDecoder per sampling setting, all sharing the target and drafter. The
+    seed is no part of the setting: each generation brings its own (`seed_of`), so items or
+    requests with seeds of their own share a decoder and its -n auto policy; beyond LIMIT
+    settings the least recently used goes. `first`: a decoder to start with (the loaded one)."""
+
+    LIMIT = 8
+
+    def __init__(self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int | str, *, first: SpeculativeDecoder | None = None):
+        self.model_tgt, self.drafter, self.n_draft = model_tgt, drafter, n_draft
+        self._decoders: collections.OrderedDict[SamplingParams, SpeculativeDecoder] = collections.OrderedDict()
+        if first is not None:
+            self._decoders[dataclasses.replace(first.sampling, seed=None)] = first
+
+    def get(self, sampling: SamplingParams) -> SpeculativeDecoder:
+        key = dataclasses.replace(sampling, seed=None)
+        decoder = self._decoders.pop(key, None) or SpeculativeDecoder(self.model_tgt, self.drafter, self.n_draft, key)
+        self._decoders[key] = decoder
+        while len(self._decoders) > self.LIMIT:
+            self._decoders.popitem(last=False)
+        return decoder
+
+
+class SharedPassCost:
+    """How a pass shared by several sequences is split among them, for their -n auto policies.
+
+    A pass over T tokens costs about a + b*T: a (reading the weights) whatever T, b per token.
+    Split in proportion to tokens, every sequence would see a linear cost, b + a/T a token,
+    and conclude that drafting never pays, although the passes get fewer and the throughput
+    higher when they draft: each one's drafts are paid by b each, while a is paid once a pass
+    however many tokens are in it. So each sequence is charged an equal part of the pass as
+    it would be with every sequence decoding plain, (a + b*N)/N for N sequences, plus b for
+    each token it adds beyond its own one: what its drafts add to the pass. The charges add up
+    to the pass. a and b are fitted to the passes seen (least squares, recent passes weighing
+    more); until the passes' sizes vary enough, the split is by tokens.
+    """
+
+    DECAY = 0.98  # per pass: a pass's weight halves after about 35 more
+    MIN_SPREAD = 0.5  # tokens: the standard deviation of pass sizes a fit needs
+
+    def __init__(self):
+        self._w = self._t = self._s = self._tt = self._ts = 0.0
+
+    def add(self, n_tokens: int, pass_s: float) -> None:
+        d = self.DECAY
+        self._w, self._t, self._s = self._w * d + 1, self._t * d + n_tokens, self._s * d + pass_s
+        self._tt, self._ts = self._tt * d + n_tokens * n_tokens, self._ts * d + n_tokens * pass_s
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) of the recent passes, or None while their sizes hardly vary (a spread of
+        under half a token: one odd pass must not set the slope). A pass that costs the same
+        whatever its size (a GPU below its compute limit) gives b = 0: drafts then cost nothing
+        extra, and each sequence pays 1/N."""
+        w, t, s, tt, ts = self._w, self._t, self._s, self._tt, self._ts
+        var = tt * w - t * t
+        if w < 2 or var < self.MIN_SPREAD**2 * w * w:
+            return None
+        b = (ts * w - t * s) / var
+        a = (s - b * t) / w
+        if b < 0:
+            a, b = s / w, 0.0
+        elif a < 0:
+            a, b = 0.0, ts / tt
+        return (a, b) if a + b > 0 else None
+
+    def shares(self, n_tokens: dict[int, int]) -> dict[int, float]:
+        """Each sequence's part of a pass over n_tokens[s] tokens of each (adding up to 1)."""
+        total = sum(n_tokens.values())
+        fit = self.fit()
+        if fit is None:
+            return {s: n / total for s, n in n_tokens.items()}
+        a, b = fit
+        base = (a + b * len(n_tokens)) / len(n_tokens)
+        return {s: (base + b * (n - 1)) / (a + b * total) for s, n in n_tokens.items()}
+
+
+
+class StepLoop:
+    """The sequences being generated on one target, and one step for all of them: each plans
+    its draft (with a draft model, every sequence's next draft token in one pass of the draft
+    model's context), one target pass evaluates every sequence's [last, d1..dk], each commits
+    its own verdict. `run` and `chat` use it with one sequence (SpeculativeDecoder.generate),
+    `batch` and `serve` with P; they decide what goes into which slot and when.
+
+    Slot s has a target cache (`caches[s]`), its own drafter, and one decoder per sampling
+    setting (`pools[s]`); `start` puts a generation into it, `prefill` its prompt into the
+    caches, `step` advances the given slots by one target pass, `release` takes the generation
+    out, and `clear` empties the slot's caches after a failure.
+    """
+
+    def __init__(
+        self, passes, caches: list, pools: list[DecoderPool], *, max_pass: int,
+        draft_passes=None, pass_costs: SharedPassCost | None = None,
+    ):  # fmt: skip
+        """passes: runs one target pass over several sequences (MultiSequenceContext, or
+        ModelPasses); draft_passes: the draft model's, for lockstep drafting (None: each
+        drafter drafts on its own); pass_costs: how a shared pass is split among the sequences
+        (None: by tokens)."""
+        self.passes, self.caches, self.pools = passes, caches, pools
+        self.max_pass = max_pass
+        self.draft_passes = draft_passes
+        self.pass_costs = pass_costs
+        self.sequences: dict[int, SequenceStep] = {}
+
+    @classmethod
+    def on_model(cls, model_tgt: LlamaModel, pool: DecoderPool) -> "StepLoop":
+        """One slot on the target's own context."""
+        return cls(ModelPasses(model_tgt), [model_tgt], [pool], max_pass=model_tgt.n_batch)
+
+    @classmethod
+    def on_sequences(
+        cls, model_tgt: LlamaModel, mode: DraftMode | str, n_draft: int | str, n_seq: int,
+        *, n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
+        model_dft: LlamaModel | None = None, release_models: bool = False,
+    ) -> "StepLoop":  # fmt: skip
+        """`n_seq` slots on a MultiSequenceContext of the target's weights, each with its own
+        drafter for `mode`; the modes with a draft model (`model_dft`) draft through their own
+        sequence of a second one on the draft model's weights, every slot's next draft token in
+        one pass of it. release_models: free the models' own contexts (their KV caches) first,
+        which the loop never evaluates through; the commands do, tests comparing with them do not."""
+        mode = DraftMode(mode)
+        if mode.needs_draft_model and model_dft is None:
+            raise ValueError(f"drafting mode {mode!r} needs a draft model")
+        if release_models:
+            model_tgt.release_context()
+            if mode.needs_draft_model:
+                model_dft.release_context()
+        n_ctx = model_tgt.n_ctx  # per sequence, as for `run`
+        draft_passes = None
+        if mode.needs_draft_model:
+            draft_passes = MultiSequenceContext(
+                model_dft, n_seq=n_seq, n_ctx_per_seq=n_ctx, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
+            )  # fmt: skip
+            drafters = [make_drafter(mode, SequenceView(draft_passes, s, model_dft)) for s in range(n_seq)]
+        else:
+            drafters = [make_drafter(mode) for _ in range(n_seq)]
+        longest = AUTO_MAX_DRAFT if n_draft == AUTO else n_draft
+        n_batch = max(512, n_seq * ((longest if drafters[0] is not None else 0) + 1))
+        passes = MultiSequenceContext(
+            model_tgt, n_seq=n_seq, n_ctx_per_seq=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
+        )  # fmt: skip
+        return cls(
+            passes, [SequenceView(passes, s, model_tgt) for s in range(n_seq)],
+            [DecoderPool(model_tgt, drafter, n_draft) for drafter in drafters],
+            max_pass=passes.n_batch // n_seq,  # every sequence's part fits the shared batch
+            draft_passes=draft_passes, pass_costs=SharedPassCost(),
+        )  # fmt: skip
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.caches)
+
+    def start(
+        self, s: int, prompt_ids: Sequence[int], *, sampling: SamplingParams, max_tokens: int,
+        stop: Sequence[str] = (), seed: int | None = None, fresh: bool = False,
+    ) -> "SequenceStep":  # fmt: skip
+        """Put a generation after `prompt_ids` into slot s, with slot s's decoder for `sampling`
+        (`seed`: as SpeculativeDecoder.sequence's); fresh: start from an empty cache. Nothing
+        is evaluated before prefill()."""
+        seq = self.pools[s].get(sampling).sequence(
+            prompt_ids, max_tokens=max_tokens, cache=self.caches[s], max_pass=self.max_pass, stop=stop, seed=seed,
+        )  # fmt: skip
+        if fresh:
+            self.clear(s)
+        self.sequences[s] = seq
+        return seq
+
+    def prefill(self, s: int, budget: int | None = None) -> bool:
+        """Slot s's prompt into its caches (SequenceStep.begin); True once it is all in."""
+        return self.sequences[s].begin(budget)
+
+    def release(self, s: int) -> Generation | None:
+        """Take slot s's generation out (its cache stays as it is); None if it had none."""
+        seq = self.sequences.pop(s, None)
+        return None if seq is None else seq.gen
+
+    def clear(self, s: int) -> None:
+        """Empty slot s's caches (the target's and the draft model's): what a failed pass left
+        there is unknown. If even that fails, a later prompt finds the cache in an unknown state
+        and is refused by llama.cpp; that generation's error then says so."""
+        self.sequences.pop(s, None)
+        for passes in (self.passes, self.draft_passes):
+            if passes is not None:
+                try:
+                    passes.clear(s)
+                except SpecliError:
+                    pass  # (reported by the next pass on this slot, see above)
+
+    def close(self) -> None:
+        self.passes.close()
+        if self.draft_passes is not None:
+            self.draft_passes.close()
+
+    def step(self, slots: Sequence[int]) -> dict[int, Step | Exception]:
+        """One step of each of `slots` (started, prefilled, not ended) around one target pass:
+        per slot, its Step, or the exception that failed it (its drafting, its verification,
+        or the shared pass, which fails every slot in it)."""
+        seqs = {s: self.sequences[s] for s in slots}
+        requests, failed = self._plan(seqs)
+        results: dict[int, Step | Exception] = dict(failed)
+        if not requests:
+            return results
+        t_pass, cpu_pass = time.perf_counter(), time.process_time()
+        try:
+            rows = self.passes.eval(requests, logits="all")
+        except Exception as err:
+            return {**results, **{s: err for s in requests}}
+        cpu_s, pass_s = time.process_time() - cpu_pass, time.perf_counter() - t_pass
+        n_tokens = {s: len(tokens) for s, tokens in requests.items()}
+        shares = (self.pass_costs or SharedPassCost()).shares(n_tokens)  # (a new one splits by tokens)
+        if self.pass_costs is not None:
+            self.pass_costs.add(sum(n_tokens.values()), pass_s)
+        for s in requests:
+            try:
+                results[s] = seqs[s].commit(rows[s], pass_s, cpu_s=cpu_s, share=shares[s])
+            except Exception as err:
+                results[s] = err
+        return results
+
+    def _plan(self, seqs: dict[int, "SequenceStep"]) -> tuple[dict[int, list[int]], dict[int, Exception]]:
+        """Every sequence's plan (its draft, and the tokens of its part of the target's pass):
+        (tokens by slot, errors by slot)."""
+        if self.draft_passes is None:
+            requests, failed = {}, {}
+            for s, seq in seqs.items():
+                try:
+                    requests[s] = seq.plan()
+                except Exception as err:
+                    failed[s] = err
+            return requests, failed
+        return self._plan_in_lockstep(seqs)
+
+    def _plan_in_lockstep(self, seqs: dict[int, "SequenceStep"]) -> tuple[dict[int, list[int]], dict[int, Exception]]:
+        """With a draft model: each round evaluates the next draft token of every sequence
+        still drafting in one pass of the draft model's context, rather than one pass per
+        sequence."""
+        requests: dict[int, list[int]] = {}
+        failed: dict[int, Exception] = {}
+        steps: dict[int, Generator] = {}
+        pending: dict[int, int] = {}  # slot -> the draft token its draft model must evaluate
+        # Each sequence's drafting time as its policy must see it: its own work, and its share
+        # of each shared draft pass, not the wall time of every sequence's rounds.
+        first_s: dict[int, float] = {}
+        rounds_s: dict[int, float] = {}
+        n_rounds: dict[int, int] = {}
+        for s, seq in seqs.items():
+            steps[s] = seq.plan_steps()
+            t0 = time.perf_counter()
+            try:
+                pending[s] = next(steps[s])
+                first_s[s], rounds_s[s], n_rounds[s] = time.perf_counter() - t0, 0.0, 0
+            except StopIteration as done:
+                requests[s] = done.value
+            except Exception as err:
+                failed[s] = err
+        while pending:
+            t0 = time.perf_counter()
+            try:
+                rows = self.draft_passes.eval({s: [token] for s, token in pending.items()}, logits="all")
+            except Exception as err:
+                for s in pending:
+                    failed[s] = err
+                break
+            share = (time.perf_counter() - t0) / len(pending)
+            following = {}
+            for s in pending:
+                t0 = time.perf_counter()
+                try:
+                    following[s] = steps[s].send(rows[s])
+                except StopIteration as done:
+                    requests[s] = done.value
+                except Exception as err:
+                    failed[s] = err
+                rounds_s[s] += share + time.perf_counter() - t0
+                n_rounds[s] += 1
+                if s in requests:
+                    seqs[s].book_shared_drafting(first_s[s] + rounds_s[s], rounds_s[s] / n_rounds[s])
+            pending = following
+        return requests, failed
+
+
+def _one_sequence(loop: StepLoop) -> Iterator[Step]:
+    """The steps of a loop's one generation (slot 0), its prompt first; a failure is raised."""
+    loop.prefill(0)
+    seq = loop.sequences[0]
+    while not seq.ended():
+        result = loop.step([0])[0]
+        if isinstance(result, Exception):
+            raise result
+        yield result
 
 
 class TargetRows:

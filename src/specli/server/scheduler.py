@@ -1,12 +1,13 @@
 """The server's generation loop, without HTTP: one thread owns the models; requests wait in a
 bounded queue for one of P slots; every pass verifies all active slots together.
 
-A slot is a sequence of the target's cache (with `--parallel 1`, the target's own context: the
-very path `specli run` takes; else one sequence of a MultiSequenceContext, as `batch
---parallel`), with its own drafter and one SpeculativeDecoder per sampling setting. Each pass
-is parallel.py's: every active slot plans its draft (SequenceStep.plan), one target pass
-evaluates them all, each slot commits its own verdict. Between passes the loop takes new jobs
-into free slots and frees the slots of jobs whose client left.
+A slot is one of the step loop's (engine.py's StepLoop: with `--parallel 1`, the target's own
+context, the very path `specli run` takes; else one sequence of a MultiSequenceContext, as
+`batch --parallel`), with its own drafter and one SpeculativeDecoder per sampling setting. Each
+pass is the loop's step: every active slot plans its draft, one target pass evaluates them all,
+each slot commits its own verdict. What is the server's own: between passes it takes new jobs
+into free slots, puts long prompts in a batch at a time, and frees the slots of jobs whose
+client left.
 
 A slot keeps its cache after its job ends, and a new job goes to the free slot whose cache
 shares the longest prefix with its prompt: a client that resends the conversation so far
@@ -25,11 +26,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from specli.decoding.engine import Generation, SequenceStep
-from specli.decoding.parallel import DecoderPool, ParallelRunner, item_error, verify_all
+from specli.decoding.engine import DecoderPool, Generation, SequenceStep, StepLoop
+from specli.decoding.parallel import item_error
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SpecliError
-from specli.llama.model import LlamaModel, common_prefix_len
+from specli.llama.model import common_prefix_len
 from specli.session.loading import Loaded
 
 @dataclass
@@ -78,22 +79,11 @@ class ShuttingDown(Exception):
     pass
 
 
-class _OneSequence:
-    """`--parallel 1`: the target's own context behind MultiSequenceContext's pass API."""
-
-    n_seq = 1
-
-    def __init__(self, model: LlamaModel):
-        self.model = model
-        self.n_batch = model.n_batch
-
-    def eval(self, requests: dict, *, logits: str = "all") -> dict:
-        return {s: self.model.eval(tokens, logits="all") for s, tokens in requests.items()}
-
-
 class _ServeSlot:
-    def __init__(self, pool: DecoderPool, cache):
-        self.pool, self.cache = pool, cache  # its decoders (one per sampling setting), its target cache
+    """What the server keeps of a loop slot: its job and how much of its text was sent."""
+
+    def __init__(self, cache):
+        self.cache = cache  # the slot's target cache (the loop's)
         self.job: Optional[Job] = None
         self.seq: Optional[SequenceStep] = None
         self.sent = 0  # characters of the generation's text already emitted
@@ -115,22 +105,16 @@ class Scheduler:
         self.n_draft = loaded.decoder.n_draft_label
         self.queue_limit = queue_limit
         self.describe = describe
-        self.runner: Optional[ParallelRunner] = None
         if n_seq == 1:
-            self.seqs = _OneSequence(self.model_tgt)
             # the loaded decoder, with the saved -n auto measurements, serves its own setting
-            pools = [DecoderPool(self.model_tgt, loaded.decoder.drafter, self.n_draft, first=loaded.decoder)]
-            caches = [self.model_tgt]
-            self.max_pass = self.model_tgt.n_batch
+            self.loop = StepLoop.on_model(self.model_tgt, DecoderPool(self.model_tgt, loaded.decoder.drafter, self.n_draft, first=loaded.decoder))
         else:
-            self.runner = ParallelRunner(
-                self.model_tgt, self.mode, self.n_draft, n_seq, n_threads=n_threads, model_dft=loaded.model_dft, describe=describe,
+            self.loop = StepLoop.on_sequences(
+                self.model_tgt, self.mode, self.n_draft, n_seq, n_threads=n_threads, model_dft=loaded.model_dft,
                 kv_type=kv_type, flash_attn=flash_attn, release_models=release_models,
             )  # fmt: skip
-            self.seqs, caches, pools = self.runner.seqs, self.runner.views, self.runner.pools
-            self.max_pass = self.seqs.n_batch // n_seq  # every sequence's part fits the shared batch
-        self.slots = [_ServeSlot(pool, cache) for pool, cache in zip(pools, caches)]
-        self.prefill_batch = prefill_batch or self.seqs.n_batch
+        self.slots = [_ServeSlot(cache) for cache in self.loop.caches]
+        self.prefill_batch = prefill_batch or self.loop.passes.n_batch
         self.n_ctx = self.slots[0].cache.n_ctx
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
@@ -184,8 +168,7 @@ class Scheduler:
         return True
 
     def close(self) -> None:
-        if self.runner is not None:
-            self.runner.close()
+        self.loop.close()
 
     def health(self) -> dict:
         with self._cond:
@@ -260,9 +243,8 @@ class Scheduler:
         self._uses += 1
         slot.last_used = self._uses
         try:
-            decoder = slot.pool.get(job.sampling)
-            slot.seq = decoder.sequence(
-                job.prompt_ids, max_tokens=job.max_tokens, cache=slot.cache, max_pass=self.max_pass, stop=job.stop, seed=job.seed,
+            slot.seq = self.loop.start(
+                s, job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens, stop=job.stop, seed=job.seed,
             )  # fmt: skip
             slot.sent = 0
             slot.ready = False
@@ -281,7 +263,7 @@ class Scheduler:
         for s, slot in enumerate(self.slots):
             if slot.job is not None and not slot.ready:
                 try:
-                    slot.ready = slot.seq.begin(budget=self.prefill_batch)
+                    slot.ready = self.loop.prefill(s, budget=self.prefill_batch)
                 except Exception as err:
                     self._fail(s, err)
 
@@ -293,6 +275,7 @@ class Scheduler:
                     self.counts["cancelled"] += 1
 
     def _free(self, s: int) -> None:
+        self.loop.release(s)
         with self._cond:
             self.slots[s].job = None
             self.slots[s].seq = None
@@ -301,56 +284,39 @@ class Scheduler:
         job = self.slots[s].job
         status = 400 if isinstance(err, SpecliError) and err.exit_code == 2 else 500
         self._free(s)
-        self._clear(s)
-        self.counts["failed"] += 1
+        self.loop.clear(s)
+        with self._cond:
+            self.counts["failed"] += 1
         _emit(job, Failed(item_error(err, self.describe), status))
-
-    def _clear(self, s: int) -> None:
-        """Empty slot s's caches after a failure (what a failed pass left there is unknown)."""
-        try:
-            if self.runner is not None:
-                self.runner._clear(s)
-            else:
-                self.model_tgt.reset()
-        except Exception:
-            pass
 
     def _finish(self, s: int) -> None:
         slot = self.slots[s]
         job, gen = slot.job, slot.seq.gen
         self._free(s)
-        self.counts["completed"] += 1
-        self.counts["tokens"] += len(gen.token_ids)
+        with self._cond:
+            self.counts["completed"] += 1
+            self.counts["tokens"] += len(gen.token_ids)
         _emit(job, Done(gen, gen.text[slot.sent :], s))
 
     def _pass(self, active: list[int]) -> None:
-        """One step of every active slot around one target pass (parallel.py's _pass)."""
-        planning = {}
+        """One step of every active slot (the loop's), then each slot's text out."""
+        stepping = []
         for s in active:
             try:
                 if self.slots[s].seq.ended():
                     self._finish(s)
                 else:
-                    planning[s] = self.slots[s].seq
+                    stepping.append(s)
             except Exception as err:
                 self._fail(s, err)
-        if self.runner is not None:  # drafts of every slot in lockstep (parallel.py)
-            requests, failed = self.runner.plan_all(planning)
-        else:
-            requests, failed = {}, {}
-            for s, seq in planning.items():
-                try:
-                    requests[s] = seq.plan()
-                except Exception as err:
-                    failed[s] = err
-        for s, err in failed.items():
-            self._fail(s, err)
-        if not requests:
+        if not stepping:
             return
-        results = verify_all(self.seqs, planning, requests, None if self.runner is None else self.runner.pass_costs)
-        if any(not isinstance(result, Exception) for result in results.values()):
-            self.counts["passes"] += 1
-            self.counts["most_sequences_in_a_pass"] = max(self.counts["most_sequences_in_a_pass"], len(requests))
+        results = self.loop.step(stepping)
+        n_stepped = sum(not isinstance(result, Exception) for result in results.values())
+        if n_stepped:
+            with self._cond:
+                self.counts["passes"] += 1
+                self.counts["most_sequences_in_a_pass"] = max(self.counts["most_sequences_in_a_pass"], n_stepped)
         for s, result in results.items():
             if isinstance(result, Exception):
                 self._fail(s, result)
@@ -383,5 +349,5 @@ class Scheduler:
 def _emit(job: Job, event: Event) -> None:
     try:
         job.emit(event)
-    except Exception:  # the front end is gone (its loop closed): nobody to tell
+    except RuntimeError:  # the front end's event loop is closed (call_soon_threadsafe): nobody to tell
         pass
