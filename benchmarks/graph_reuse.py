@@ -23,10 +23,11 @@ from pathlib import Path
 
 from specli.session.bench import BUILTIN_PROMPTS, token_budget
 from specli.decoding.drafters import DraftModelDrafter
-from specli.decoding.engine import AUTO, SpeculativeDecoder
+from specli.decoding.engine import SpeculativeDecoder
 from specli.llama.model import LlamaModel
 from specli.llama.native import init_backend
 from specli.decoding.sampling import GREEDY
+from specli.modes import DraftLength
 
 WORLDS = ("reuse", "no reuse")
 
@@ -52,7 +53,7 @@ def main() -> int:
     configs = {}
     for world, (target, draft) in models.items():
         for name in names:
-            n_draft = 0 if name == "plain" else AUTO if name == "auto" else int(name[2:])
+            n_draft = DraftLength.off() if name == "plain" else DraftLength.auto() if name == "auto" else DraftLength.fixed_at(int(name[2:]))
             drafter = None if name == "plain" else DraftModelDrafter(draft)
             configs[(world, name)] = SpeculativeDecoder(target, drafter, n_draft, GREEDY)
     # Both worlds load the same target file: one tokenization serves both.

@@ -39,10 +39,11 @@ import specli.decoding.drafters as drafters_module
 import specli.decoding.engine as engine_module
 from specli.session.bench import BUILTIN_PROMPTS, token_budget
 from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
-from specli.decoding.engine import AUTO, SpeculativeDecoder
+from specli.decoding.engine import SpeculativeDecoder
 from specli.llama.model import LlamaModel
 from specli.llama.native import init_backend
 from specli.decoding.sampling import GREEDY, SamplingParams
+from specli.modes import DraftLength
 
 LONGEST = 70  # pass sizes measured; longer passes are charged proportionally
 
@@ -176,7 +177,7 @@ def main() -> int:
 
     sampling = GREEDY if args.temperature == 0 else SamplingParams(temperature=args.temperature, seed=0)
     configs: dict[str, SpeculativeDecoder] = {"plain": SpeculativeDecoder(target, None, 0, sampling)}
-    configs["auto"] = SpeculativeDecoder(target, make_drafter(), AUTO, sampling)
+    configs["auto"] = SpeculativeDecoder(target, make_drafter(), DraftLength.auto(), sampling)
     for n in args.ns.split(","):
         configs[f"N={n}"] = SpeculativeDecoder(target, make_drafter(), int(n), sampling)
     rates: dict[tuple[str, str], list[float]] = {}

@@ -25,14 +25,15 @@ from specli.decoding.sampling import GREEDY
 from specli.llama.model import LlamaModel
 from specli.llama.native import init_backend
 from specli.server.scheduler import Job, Scheduler
+from specli.modes import DraftLength
 from specli.session.loading import Loaded, Plan
 
 PROMPTS = Path(__file__).parent / "prompts"
 
 
 def one_round(model: LlamaModel, long_ids: list[int], prefill_batch: int | None) -> tuple[float, float]:
-    decoder = SpeculativeDecoder(model, make_drafter("lookup"), 8, GREEDY)
-    loaded = Loaded(Plan(model.path, None, "lookup", 8, GREEDY), model, None, decoder)
+    decoder = SpeculativeDecoder(model, make_drafter("lookup"), DraftLength.fixed_at(8), GREEDY)
+    loaded = Loaded(Plan(model.path, None, "lookup", decoder.draft_length, GREEDY), model, None, decoder)
     scheduler = Scheduler(loaded, n_seq=2, queue_limit=4, prefill_batch=prefill_batch)
     scheduler.start()
     try:

@@ -59,7 +59,8 @@ from native_ngram import PORTS  # noqa: E402
 
 from specli.decoding.drafters import PromptLookupDrafter  # noqa: E402
 from specli.decoding.policy import AdaptivePolicy  # noqa: E402
-from specli.decoding.replay import AUTO, CostTable, candidates, oracle, replay  # noqa: E402
+from specli.decoding.replay import CostTable, candidates, oracle, replay  # noqa: E402
+from specli.modes import DraftLength  # noqa: E402
 
 QUESTIONS = HERE.parent.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 DEFAULT_OUT = Path("/tmp/specli-spec-bench")
@@ -264,7 +265,7 @@ def cost_tables(args) -> list[CostTable]:
 
 def configs(args) -> dict[str, tuple]:
     """name -> (drafter factory, n_draft)."""
-    out = {"lookup auto": (PromptLookupDrafter, AUTO)}
+    out = {"lookup auto": (PromptLookupDrafter, DraftLength.auto())}
     for n in args.n:
         out[f"lookup {n}"] = (PromptLookupDrafter, n)
     for name, port in PORTS.items():
@@ -357,7 +358,7 @@ def saved_after(rows: list[dict], costs: CostTable, one_x: float = 1.0, wide_x: 
             policy.seed(saved)
         charged = CostTable(tuple(s * (one_x if n == 1 else wide_x) for n, s in enumerate(costs.seconds, 1)))
         text = row["prompt_ids"] + row["output_ids"]
-        replay(text, len(row["prompt_ids"]), PromptLookupDrafter(), AUTO, charged, policy=policy, utilization=utilization)
+        replay(text, len(row["prompt_ids"]), PromptLookupDrafter(), DraftLength.auto(), charged, policy=policy, utilization=utilization)
         state = policy.saved(1_800_000_000.0 + i)
         if state is not None:
             saved = store.parse(store.dumps(state), now=1_800_000_000.0 + i + 1)
@@ -387,7 +388,7 @@ def returning_user(rows: list[dict], dev: list[dict], tables: list[CostTable], a
                 policy = AdaptivePolicy(64)
                 if name != "fresh" and states[name] is not None:
                     policy.seed(states[name])
-                run = replay(text, len(row["prompt_ids"]), PromptLookupDrafter(), AUTO, table, policy=policy,
+                run = replay(text, len(row["prompt_ids"]), PromptLookupDrafter(), DraftLength.auto(), table, policy=policy,
                              utilization=None if name == "unmeasured" else 2.0)  # fmt: skip
                 tpp[name].append(run.tokens_per_pass)
                 speed[name].append(run.n_tokens * table(1) / run.modelled_s(table))

@@ -19,29 +19,7 @@ from specli.decoding.parallel import ItemDone, ParallelRunner, run_sequential
 from specli.decoding.drafters import make_drafter
 from specli.llama.model import LlamaModel
 from specli.decoding.sampling import GREEDY, SamplingParams
-from fixtures.cli import assert_one_line_error, specli
-
-# One thread: the suite may share 2 cores with other llama.cpp processes, and llama.cpp's
-# spinning thread barrier makes 2-thread runs crawl under contention.
-ONE = ["--threads", "1"]
-GREEDY_ARGS = ["--temperature", "0", "-c", "256", *ONE]
-PROMPTS = [
-    "Once upon a time",
-    "def fibonacci(n):",
-    "The quick brown fox jumps over the lazy dog. The quick brown",
-    "hello world hello world hello",
-    "In 1492 Columbus sailed",
-    "a b c d e f g a b c d",
-]
-
-
-def write_jsonl(path: Path, objects) -> Path:
-    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objects), encoding="utf-8")
-    return path
-
-
-def read_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+from fixtures.cli import GREEDY_ARGS, ONE, PROMPTS, assert_one_line_error, read_records, specli, write_jsonl
 
 
 def run_json(target: str, prompt: str, *args: str) -> dict:

@@ -17,8 +17,7 @@ import pytest
 
 from specli.session import batch
 from specli.decoding.sampling import GREEDY
-from test_batch import GREEDY_ARGS, PROMPTS, read_records, write_jsonl
-from fixtures.cli import assert_one_line_error, specli
+from fixtures.cli import GREEDY_ARGS, PROMPTS, assert_one_line_error, read_records, specli, write_jsonl
 
 COMMON = ["--target-only", "--max-tokens", "6", *GREEDY_ARGS]
 RECORD = {"id": 1, "line": 1, "text": "a", "token_ids": [5], "n_tokens": 1, "stop_reason": "length", "stats": {}}

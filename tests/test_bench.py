@@ -15,6 +15,9 @@ import pytest
 
 from specli.session import bench
 from specli.errors import UsageError
+from specli.modes import DraftLength
+
+N, OFF, AUTO = DraftLength.fixed_at, DraftLength.off(), DraftLength.auto()
 
 
 # --- expected speedup (Leviathan et al. 2023) ---------------------------------------------
@@ -267,14 +270,14 @@ def test_a_speedup_above_tokens_per_pass_is_flagged_impossible(capsys):
 
 
 def test_schedule_runs_everything_once_per_round_interleaved():
-    jobs = bench.schedule(2, [1, 3], repeat=3)
+    jobs = bench.schedule(2, [N(1), N(3)], repeat=3)
     assert len(jobs) == 3 * 2 * 3 and len(set(jobs)) == len(jobs)
     first_round = [(j.prompt, j.n) for j in jobs if j.round == 0]
     # Within a round a prompt runs every configuration back to back, target-only included.
-    assert first_round == [(0, 0), (0, 1), (0, 3), (1, 0), (1, 1), (1, 3)]
+    assert first_round == [(0, OFF), (0, N(1)), (0, N(3)), (1, OFF), (1, N(1)), (1, N(3))]
     # The order of configurations rotates each round, so no configuration is always first.
     firsts = [next(j.n for j in jobs if j.round == r) for r in range(3)]
-    assert firsts == [0, 1, 3]
+    assert firsts == [OFF, N(1), N(3)]
     # Rounds do not overlap: all of round r comes before round r + 1.
     assert [j.round for j in jobs] == sorted(j.round for j in jobs)
 
@@ -285,8 +288,8 @@ def test_seeds_change_per_round_not_per_configuration():
 
 
 def test_parse_ns():
-    assert bench.parse_ns("8, 2,4,2") == [2, 4, 8]
-    assert bench.parse_ns("8,AUTO,2") == ["auto", 2, 8]
+    assert bench.parse_ns("8, 2,4,2") == [N(2), N(4), N(8)]
+    assert bench.parse_ns("8,AUTO,2") == [AUTO, N(2), N(8)]
     for bad, fragment in (("2,x", "'x' is not a number"), ("0", "between 1 and 64"), ("65", "got 65"), ("", "not a number")):
         with pytest.raises(UsageError, match=fragment):
             bench.parse_ns(bad)

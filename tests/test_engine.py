@@ -7,8 +7,10 @@ import pytest
 from conftest import load
 from fixtures import synthetic
 from specli.decoding.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
-from specli.decoding.engine import AUTO, AUTO_MAX_DRAFT, SpeculativeDecoder
+from specli.decoding.engine import SpeculativeDecoder
 from specli.errors import IncompatibleDraftError, UsageError
+from specli.llama.model import LlamaModel
+from specli.modes import AUTO_MAX_DRAFT, DraftLength
 from specli.session.loading import ModelChoice, load as load_plan, plan
 from specli.decoding.policy.adaptive import AdaptivePolicy, StepReport
 from specli.decoding.sampling import GREEDY, SamplingParams
@@ -147,6 +149,50 @@ def test_caches_hold_exactly_the_context_after_every_step(perturbed):
     assert sum(evaluated) <= len(ids) + gen.stats.target_passes * (4 - 1 + 2)
 
 
+@pytest.mark.parametrize("drafting", ["target-only", "lookup", "draft-model"])
+def test_the_first_tokens_come_from_the_pass_that_ends_the_prompt(perturbed, drafting):
+    """As llama-server: no pass of its own for the first token. The prompt's end, `last` and the
+    first draft go in one target pass (logits only for `last` and the drafts); the output is
+    the same as target-only's, and a prompt longer than a pass goes in whole passes first."""
+    model_tgt, model_dft = perturbed
+    ids = model_tgt.tokenize(PROMPTS[1] * 3)
+    drafter = {"target-only": None, "lookup": PromptLookupDrafter(), "draft-model": DraftModelDrafter(model_dft)}[drafting]
+    reference = target_only(model_tgt, ids)
+    passes = []
+    original_eval = model_tgt.eval
+    model_tgt.eval = lambda tokens, **kw: (tokens and passes.append((len(tokens), kw.get("logits")))) or original_eval(tokens, **kw)
+    try:
+        model_tgt.reset()
+        gen = SpeculativeDecoder(model_tgt, drafter, 4).generate(ids, max_tokens=MAX_TOKENS)
+        first = next(iter(gen))
+        assert first.tokens and passes == [(len(ids) + first.n_drafted, first.n_drafted + 1)]
+        gen.run()
+        assert gen.token_ids == reference.token_ids
+        assert len(passes) == gen.stats.target_passes
+    finally:
+        del model_tgt.eval
+
+
+def test_a_prompt_longer_than_a_pass_goes_in_whole_passes_first(pair_perturbed):
+    """The prompt's whole batches first, its rest with `last` and the first draft."""
+    model_tgt = LlamaModel(pair_perturbed[0], n_ctx=512, n_batch=32, n_threads=2, kv_type="f32", flash_attn="off")
+    try:
+        ids = model_tgt.tokenize(PROMPTS[2] * 6)
+        assert len(ids) - 1 > 2 * model_tgt.n_batch and (len(ids) - 1) % model_tgt.n_batch
+        reference = target_only(model_tgt, ids)
+        model_tgt.reset()
+        passes = []
+        original_eval = model_tgt.eval
+        model_tgt.eval = lambda tokens, **kw: (tokens and passes.append((len(tokens), kw.get("logits")))) or original_eval(tokens, **kw)
+        gen = SpeculativeDecoder(model_tgt, PromptLookupDrafter(), 4).generate(ids, max_tokens=MAX_TOKENS)
+        step = next(iter(gen))
+        n_tail = (len(ids) - 1) % model_tgt.n_batch
+        assert passes == [(len(ids) - 1 - n_tail, "none"), (n_tail + 1 + step.n_drafted, step.n_drafted + 1)]
+        assert gen.run().token_ids == reference.token_ids
+    finally:
+        model_tgt.close()
+
+
 def test_a_draft_cache_far_behind_starts_over_on_a_window(perturbed):
     model_tgt, model_dft = perturbed
     drafter = DraftModelDrafter(model_dft)
@@ -221,7 +267,7 @@ def test_the_engine_tells_auto_the_loops_time_between_passes(perturbed):
             gaps.append(step.gap_s)
             super().observe(step)
 
-    decoder = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), AUTO)
+    decoder = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), DraftLength.auto())
     decoder.policy = decoder.judge = Recording(AUTO_MAX_DRAFT)
     prompt = model_tgt.tokenize(PROMPTS[0])
     for _ in range(2):  # each generation starts afresh: its first two steps report no gap

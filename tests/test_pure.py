@@ -1,4 +1,5 @@
-"""Pure parts: verification, text streaming, stats, the lookup drafter, the compatibility rule."""
+"""Pure parts: verification, text streaming, stats, the lookup drafter, the compatibility rule,
+the draft length."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from specli.llama.model import VocabInfo, common_prefix_len
 from specli.decoding.stats import Stats
 from specli.decoding.text import TextStream
 from specli.decoding.verify import verify_greedy
+from specli.modes import AUTO_MAX_DRAFT, MAX_DRAFT, DraftLength
 
 
 def one_hot_rows(choices: list[int], n_vocab: int = 10) -> np.ndarray:
@@ -237,3 +239,29 @@ def test_incompatible_draft_names_the_difference(draft_info, draft_texts, expect
 
 def test_token_texts_below_5_may_differ():
     check_compatible(vocab(), vocab(), texts(), texts({0: b"<pad>", 4: b"<mask>"}))
+
+
+# --- the draft length -----------------------------------------------------------------------
+def test_a_draft_length_reads_as_typed_and_writes_json_as_before():
+    auto, four, off = DraftLength.parse(" AUTO "), DraftLength.parse("4"), DraftLength.off()
+    assert auto == DraftLength.auto() and four == DraftLength.fixed_at(4)
+    assert (str(auto), str(four), str(off)) == ("auto", "4", "0")
+    assert (auto.json_value, four.json_value, off.json_value) == ("auto", 4, 0)
+    assert (auto.longest, four.longest, off.longest) == (AUTO_MAX_DRAFT, 4, 0)
+    assert auto.is_auto and not four.is_auto and off.is_off and not four.is_off
+    assert len({DraftLength.auto(), auto, four, DraftLength.fixed_at(4)}) == 2  # a value: hashable, equal by content
+
+
+@pytest.mark.parametrize("text, message", [("x", "'x' is not a number"), ("", "'' is not a number"), ("0", "got 0"),
+                                           (str(MAX_DRAFT + 1), f"got {MAX_DRAFT + 1}"), ("2.5", "'2.5' is not a number")])
+def test_a_bad_draft_length_says_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        DraftLength.parse(text)
+
+
+def test_library_callers_give_auto_or_a_number():
+    assert DraftLength.of("auto") == DraftLength.auto() and DraftLength.of(MAX_DRAFT) == DraftLength.fixed_at(MAX_DRAFT)
+    assert DraftLength.of(DraftLength.fixed_at(3)) == DraftLength.fixed_at(3)
+    for bad in (0, MAX_DRAFT + 1, "AUTO", "4", 2.0, None, DraftLength.off()):
+        with pytest.raises(ValueError):
+            DraftLength.of(bad)

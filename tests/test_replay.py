@@ -14,7 +14,8 @@ from specli.decoding.drafters import PromptLookupDrafter
 from specli.decoding.engine import SpeculativeDecoder
 from specli.decoding.policy import AdaptivePolicy
 from specli.decoding.policy.store import Cost, Saved
-from specli.decoding.replay import AUTO, CostTable, agreeing, candidates, oracle, replay
+from specli.decoding.replay import CostTable, agreeing, candidates, oracle, replay
+from specli.modes import DraftLength
 
 # A 2-core CPU's Gemma 3 270M (ms by pass width, ../shared/NOTES.md) and a GPU-like table where
 # a pass over 16 tokens costs 1.1 one-token passes.
@@ -133,7 +134,7 @@ def _scripted(seed: int = 0) -> tuple[list[int], int, int]:
 def test_auto_drafts_a_text_that_starts_repeating_within_one_repetition(costs):
     text, prompt_len, start = _scripted()
     policy = AdaptivePolicy(64)
-    run = replay(text, prompt_len, PromptLookupDrafter(), AUTO, costs, policy=policy)
+    run = replay(text, prompt_len, PromptLookupDrafter(), DraftLength.auto(), costs, policy=policy)
     assert run.refused > 0  # the copies before the repetition were tried and refused
     # Where each pass began: the first accepted draft in the repeated part comes within its
     # second occurrence (20 tokens), and the rest is drafted long.
@@ -143,7 +144,7 @@ def test_auto_drafts_a_text_that_starts_repeating_within_one_repetition(costs):
             first = pos
         pos += accepted + 1
     assert first is not None and first <= start + 20 + 12, (first, start)
-    tail = replay(text, prompt_len, PromptLookupDrafter(), AUTO, costs)
+    tail = replay(text, prompt_len, PromptLookupDrafter(), DraftLength.auto(), costs)
     assert tail.tokens_per_pass > 2.5
 
 
@@ -158,6 +159,6 @@ def test_saved_costs_that_say_drafting_never_pays_are_overruled_by_a_long_match(
     block = list(range(100, 140))
     text = list(range(1000, 1030)) + block + list(range(2000, 2005)) + block * 3
     prompt_len = 30 + 40 + 5 + 12  # the block's start is back: the match is 12 tokens long
-    run = replay(text, prompt_len, PromptLookupDrafter(), AUTO, CPU, policy=policy)
+    run = replay(text, prompt_len, PromptLookupDrafter(), DraftLength.auto(), CPU, policy=policy)
     assert run.widths[0] > 1 or run.widths[1] > 1, run.widths[:5]
     assert run.tokens_per_pass > 4

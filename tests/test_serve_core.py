@@ -13,6 +13,7 @@ from conftest import load
 from specli.decoding.drafters import make_drafter
 from specli.decoding.engine import STOP_INTERRUPTED, SpeculativeDecoder
 from specli.decoding.sampling import GREEDY, SamplingParams
+from specli.modes import DraftLength
 from specli.server import protocol
 from specli.server.protocol import CHAT, TEXT, ApiError, parse_request
 from specli.server.scheduler import Delta, Failed, Job, QueueFull, Scheduler, ShuttingDown
@@ -125,7 +126,7 @@ def running(scheduler: Scheduler):
 
 def loaded_for(model, mode="lookup", n_draft=4, sampling=GREEDY) -> Loaded:
     decoder = SpeculativeDecoder(model, make_drafter(mode), n_draft, sampling)
-    return Loaded(Plan(model.path, None, mode, n_draft, sampling), model, None, decoder)
+    return Loaded(Plan(model.path, None, mode, decoder.draft_length, sampling), model, None, decoder)
 
 
 def job_for(model, prompt, max_tokens, collector, **kw) -> Job:
@@ -150,7 +151,7 @@ def draft_scheduler(model, draft, spy, **kw) -> Scheduler:
     """A scheduler drafting with the draft model, greedy, N = 4, F32 numerics; spy(requests)
     sees every pass of the slots' draft-model context."""
     decoder = SpeculativeDecoder(model, make_drafter("draft-model", draft), 4, GREEDY)
-    loaded = Loaded(Plan(model.path, draft.path, "draft-model", 4, GREEDY), model, draft, decoder)
+    loaded = Loaded(Plan(model.path, draft.path, "draft-model", DraftLength.fixed_at(4), GREEDY), model, draft, decoder)
     scheduler = Scheduler(loaded, queue_limit=16, n_threads=1, kv_type="f32", flash_attn="off", **kw)
     original = scheduler.loop.draft_passes.eval
     scheduler.loop.draft_passes.eval = lambda requests, **kw: spy(requests) or original(requests, **kw)

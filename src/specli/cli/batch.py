@@ -111,7 +111,7 @@ def _batch(input_path, output, out_path, overwrite, summary_path, parallel, inpu
     if not quiet:
         print(summary.line(with_drafting=with_drafting), file=sys.stderr)
     if summary_path is not None:
-        settings = {"target": str(the_plan.target_path), "draft": the_plan.draft_label, "n_draft": the_plan.n_draft if with_drafting else 0,
+        settings = {"target": str(the_plan.target_path), "draft": the_plan.draft_label, "n_draft": the_plan.draft_length.json_value,
                     "parallel": parallel, "input": input_path, "output": output}  # fmt: skip
         replace_text(summary_path, _json({**summary.to_dict(), **settings}))
     if summary.interrupted:
@@ -173,8 +173,7 @@ def _lock_output(path: Path) -> ExclusiveLock:
 def _refuse_other_settings(path: Path, previous: batch.Previous, entries: list[batch.Entry], the_plan) -> None:
     """UsageError when the results already in the output were made with other settings than
     this run's (target, drafter, draft length, sampling): resuming would mix them silently."""
-    drafting = the_plan.mode != DraftMode.TARGET_ONLY
-    run_settings = {"target": str(the_plan.target_path), "draft": the_plan.draft_label, "n_draft": the_plan.n_draft if drafting else 0}
+    run_settings = {"target": str(the_plan.target_path), "draft": the_plan.draft_label, "n_draft": the_plan.draft_length.json_value}
     differences = batch.settings_differences(previous, entries, run_settings, lambda item: sampling_json(item.sampling))
     if differences:
         shown = "; ".join(differences[:6]) + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
@@ -221,12 +220,12 @@ def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, qui
     runner = None
     if parallel > 1:
         runner = ParallelRunner(
-            loaded.model_tgt, the_plan.mode, loaded.decoder.n_draft_label, parallel, n_threads=choice.threads,
+            loaded.model_tgt, the_plan.mode, loaded.decoder.draft_length, parallel, n_threads=choice.threads,
             model_dft=loaded.model_dft, describe=error_message, release_models=True,
         )  # fmt: skip
         events = runner.run(_items_writing_errors(todo, writer, summary, prepare))
     else:
-        pool = DecoderPool(loaded.model_tgt, loaded.decoder.drafter, loaded.decoder.n_draft_label)
+        pool = DecoderPool(loaded.model_tgt, loaded.decoder.drafter, loaded.decoder.draft_length)
         events = run_sequential(pool, _items_writing_errors(todo, writer, summary, prepare), describe=error_message)
 
     n_items = sum(isinstance(entry, batch.Item) for entry in todo)

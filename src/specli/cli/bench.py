@@ -20,7 +20,7 @@ from specli.decoding.sampling import sampling_json
 from specli.errors import UsageError
 from specli.files import check_writable
 from specli.llama.native import init_backend
-from specli.modes import DraftMode
+from specli.modes import DraftLength, DraftMode
 from specli.session import bench
 from specli.session.loading import plan
 
@@ -71,7 +71,7 @@ def bench_command(
     held_out = bench.held_out_best(records)
     _report(rows, held_out, the_plan, ns, repeat)
     settings = {
-        "target": str(the_plan.target_path), "draft": the_plan.draft_label, "ns": ns, "repeat": repeat,
+        "target": str(the_plan.target_path), "draft": the_plan.draft_label, "ns": [n.json_value for n in ns], "repeat": repeat,
         "max_tokens": max_tokens, "ctx": memory.n_ctx, "threads": threads, "sampling": sampling_json(choice.sampling),
         "seed_base": seed if not choice.sampling.greedy else None,
         "prompts": [dataclasses.asdict(p) for p in prompts],
@@ -107,7 +107,7 @@ def _measure(loaded, prompts, ns, repeat, max_tokens, sampling, *, quiet: bool) 
         for event in loop.runs():
             if isinstance(event, bench.Starting):
                 job = event.job
-                progress.update(task, description=f"round {job.round + 1}/{repeat} {event.prompt.name} " + (f"N={job.n}" if job.n else "target-only"))
+                progress.update(task, description=f"round {job.round + 1}/{repeat} {event.prompt.name} " + ("target-only" if job.n.is_off else f"N={job.n}"))
             else:
                 records.append(event.record)
                 progress.advance(task)
@@ -126,7 +126,7 @@ def _spread(row: bench.Row) -> str:
     return f"{row.speedup_min:.2f}-{row.speedup_max:.2f}" + ("x!" if bench.above_bound(row.speedup_max, row.tokens_per_pass) else "x")
 
 
-def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: list[int], repeat: int) -> None:
+def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: list[DraftLength], repeat: int) -> None:
     """The tables, best N and verdicts, on stdout (Rich; plain text when not a terminal).
     held_out: bench.held_out_best's figure per scenario."""
     from rich.console import Console

@@ -13,9 +13,8 @@ from typing import Literal, Optional
 import typer
 
 from specli.cli.options import Memory, Models, flatten
-from specli.decoding.engine import MAX_DRAFT
 from specli.models.fit import KV_TYPES, gb, padded_ctx, size_text
-from specli.modes import DraftMode
+from specli.modes import MAX_DRAFT, DraftMode
 from specli.session.cache import cache_rows, clear_cache
 from specli.session.fit import FitSettings, LocalFit, RpcFit, check_fit, fit_here, fit_over_rpc, rpc_devices
 from specli.session.loading import cache_dir

@@ -7,7 +7,8 @@ shared argument structs the same way). `model_choice` turns the groups into the 
 core plans and loads from.
 
 Ranges: Typer checks the plain ones (-c, --threads at least 1, -n/--max-tokens) as it parses; the
-sampling ranges are SamplingParams.validate's, and --draft-max is parsed by the engine's rule.
+sampling ranges are SamplingParams.validate's, and --draft-max is parsed by DraftLength.parse
+(modes.py).
 
 Spellings follow llama.cpp's where the meaning is the same (-n tokens to generate, --draft-max,
 -md, -ngl, -ngld, -c, -p), so a llama-cli habit does what it says. Click takes a declared
@@ -27,10 +28,11 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from specli.decoding.engine import MAX_DRAFT, check_stop, parse_draft_length
+from specli.decoding.engine import check_stop
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SettingError, SpecliError, UsageError
 from specli.llama.context import MAX_CTX, MIN_CTX
+from specli.modes import MAX_DRAFT, DraftLength
 from specli.session.loading import Loaded, ModelChoice, Plan, load
 
 # The defaults are the core's: ModelChoice's (context, offload) and SamplingParams' (llama.cpp's).
@@ -64,10 +66,10 @@ def error_message(err: SpecliError) -> str:
     return str(err)
 
 
-def parse_n_draft(text: str) -> int | str:
+def parse_n_draft(text: str) -> DraftLength:
     """--draft-max's value as Typer parses it: "auto" or a number of drafts."""
     try:
-        return parse_draft_length(text)
+        return DraftLength.parse(text)
     except ValueError as err:
         raise UsageError(f"--draft-max must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step; {err}") from None
 
@@ -87,8 +89,8 @@ class Drafting:
     """Whether to draft, and how many tokens (run, chat, batch; bench sweeps its own --draft-max)."""
 
     target_only: Annotated[bool, typer.Option("--target-only", help="Plain decoding with the target alone: the baseline.")] = False
-    # Parsed as Typer reads it: "auto", a number of drafts, or None when not given.
-    n_draft: Annotated[Optional[str], typer.Option(
+    # Parsed as Typer reads it: "auto" or a number of drafts (a DraftLength), None when not given.
+    n_draft: Annotated[Optional[DraftLength], typer.Option(
         # llama.cpp's names; --num-speculative-tokens is specli's older one (-n was, before it
         # became llama.cpp's tokens to generate).
         "--draft-max", "--spec-draft-n-max", "--num-speculative-tokens", metavar="auto|N", parser=parse_n_draft,

@@ -143,7 +143,7 @@ def result_json(gen, the_plan) -> dict:
         "stop_reason": gen.stop_reason,
         "target": str(the_plan.target_path),
         "draft": the_plan.draft_label,
-        "n_draft": the_plan.n_draft if the_plan.mode != DraftMode.TARGET_ONLY else 0,  # a number or "auto"
+        "n_draft": the_plan.draft_length.json_value,  # a number or "auto" (0: target-only)
         "sampling": sampling_json(the_plan.sampling),
         "seed": gen.seed,
         "stats": gen.stats.to_dict(),

@@ -85,7 +85,7 @@ def serve_command(
                 if quiet:
                     return
                 shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-                drafting_text = "target only" if the_plan.mode == DraftMode.TARGET_ONLY else f"{the_plan.draft_label}, --draft-max {the_plan.n_draft}"
+                drafting_text = "target only" if the_plan.mode == DraftMode.TARGET_ONLY else f"{the_plan.draft_label}, --draft-max {the_plan.draft_length}"
                 server_app.stderr_line(
                     f"specli serve: listening on http://{shown}:{bound_port} (OpenAI base URL http://{shown}:{bound_port}/v1; "
                     f"model '{settings.model_id}', {drafting_text}, --parallel {parallel}); Ctrl-C stops"

@@ -6,7 +6,9 @@ own token; the rejected positions are removed from the target's cache.
 
 Bookkeeping (target): between steps the target's cache holds the whole context except its newest
 token `last`, which is the first token of the next pass. With j drafts accepted the pass emits
-d1..dj and t*, the cache is trimmed to the context before t*, and t* becomes `last`.
+d1..dj and t*, the cache is trimmed to the context before t*, and t* becomes `last`. The first
+pass also holds the prompt's end (SequenceStep.begin): the first tokens come from the pass that
+finishes the prompt.
 
 `generate()` returns a `Generation`: iterate it to run the loop step by step (each step is an
 event for the UI); its fields always describe what has been produced so far, so an interrupted
@@ -34,7 +36,7 @@ from specli.decoding.drafters import Drafter, Proposal, make_drafter
 from specli.errors import SettingError, SpecliError, UsageError
 from specli.llama.context import MultiSequenceContext, SequenceView
 from specli.llama.model import LlamaModel, common_prefix_len, fill_cache
-from specli.modes import DraftMode
+from specli.modes import MAX_DRAFT, DraftLength, DraftMode
 from specli.decoding.policy import FIXED, AdaptivePolicy, DraftJudge, StepReport
 from specli.decoding.sampling import GREEDY, Dist, SamplingParams, distribution, make_rng, penalized_row, penalty_history, verify_sampled
 from specli.decoding.stats import Stats
@@ -47,24 +49,18 @@ STOP_CONTEXT_FULL = "context_full"
 STOP_INTERRUPTED = "interrupted"
 STOP_STRING = "stop"  # the text reached one of the generation's stop strings
 
-MAX_DRAFT = 64  # draft lengths beyond this only waste target work
-AUTO = "auto"
-AUTO_MAX_DRAFT = 64  # the longest draft `--draft-max auto` considers (text copied verbatim pays up to native's 48-64)
 
-
-def parse_draft_length(text: str) -> int | str:
-    """`--draft-max`'s value as typed: "auto" or a whole number of drafts from 1 to MAX_DRAFT. Raises
-    ValueError saying what is wrong (callers put it in their own words)."""
-    text = text.strip()
-    if text.lower() == AUTO:
-        return AUTO
+def draft_length_for(drafting: bool, value: DraftLength | int | str) -> DraftLength:
+    """The draft length of a decoder with a drafter (`drafting`) or without: off without one
+    (whatever `value` says), else `value` as a DraftLength: library callers (tests, benchmarks)
+    give "auto" or a number, refused with SettingError("n_draft") when it is neither (the CLI
+    parses --draft-max first)."""
+    if not drafting:
+        return DraftLength.off()
     try:
-        n = int(text)
+        return DraftLength.of(value)
     except ValueError:
-        raise ValueError(f"'{text}' is not a number") from None
-    if not 1 <= n <= MAX_DRAFT:
-        raise ValueError(f"got {n}")
-    return n
+        raise SettingError("n_draft", lambda name: f"{name} must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step, got {value}") from None
 
 
 def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
@@ -231,49 +227,44 @@ class SpeculativeDecoder:
     drafts that equal the target's argmax; otherwise drafts go through rejection sampling, which
     keeps the output distributed exactly as the target's own sampling.
 
-    `n_draft` is a fixed number of drafts per step, or "auto": the policy (decoding/policy) chooses
-    each step's length, up to AUTO_MAX_DRAFT, from measured costs and acceptance. Either way
-    only the speed changes, never the output.
+    `n_draft` is the draft length (modes.DraftLength; library callers may give "auto" or a
+    number): a fixed number of drafts per step, or auto: the policy (decoding/policy) chooses
+    each step's length, up to its maximum, from measured costs and acceptance. Either way only
+    the speed changes, never the output. Without a drafter the length is off, whatever is given.
     """
 
     def __init__(
-        self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int | str, sampling: SamplingParams = GREEDY
+        self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: DraftLength | int | str, sampling: SamplingParams = GREEDY
     ):
         self.model_tgt = model_tgt
         self.drafter = drafter
         self.policy: AdaptivePolicy | None = None  # created by the first "auto"; kept after
-        self.set_n_draft(n_draft)
+        self.set_draft_length(n_draft)
         self.sampling = sampling.validate()
 
-    def set_n_draft(self, n_draft: int | str) -> None:
-        """A fixed draft length (1 .. MAX_DRAFT) or "auto". The policy's measurements survive
+    def set_draft_length(self, length: DraftLength | int | str) -> None:
+        """A fixed draft length or auto (see draft_length_for). The policy's measurements survive
         between generations (the machine and the pair do not change)."""
+        self.draft_length = draft_length_for(self.drafter is not None, length)
         self.judge: DraftJudge = FIXED
-        if self.drafter is None:
-            self.n_draft = 0
-        elif n_draft == AUTO:
-            self.n_draft = AUTO_MAX_DRAFT
-            self.policy = self.policy or AdaptivePolicy(AUTO_MAX_DRAFT)
+        if self.draft_length.is_auto:
+            self.policy = self.policy or AdaptivePolicy(self.draft_length.maximum)
             self.judge = self.policy
-        elif isinstance(n_draft, int) and 1 <= n_draft <= MAX_DRAFT:
-            self.n_draft = n_draft
-        else:  # (the CLI parses --draft-max first; library callers, tests and benchmarks, do not)
-            raise SettingError("n_draft", lambda name: f"{name} must be 'auto' or between 1 and {MAX_DRAFT} draft tokens per step, got {n_draft}")
+
+    @property
+    def n_draft(self) -> int:
+        """The most drafts one step may take (0 without a drafter)."""
+        return self.draft_length.longest
 
     @property
     def adaptive(self) -> bool:
         return isinstance(self.judge, AdaptivePolicy)
 
-    @property
-    def n_draft_label(self) -> int | str:
-        """--draft-max as the user would write it: "auto" or the fixed length (0 without a drafter)."""
-        return AUTO if self.adaptive else self.n_draft
-
     def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, stop: Sequence[str] = (), seed: int | None = None) -> Generation:
         """Start generating after `prompt_ids` (which must include BOS if the model wants it);
         it ends at the first of the `stop` strings (Generation.stop). `seed`: as sequence()'s.
         The step loop with one sequence, on the target's own context."""
-        loop = StepLoop.on_model(self.model_tgt, DecoderPool(self.model_tgt, self.drafter, self.n_draft_label, first=self))
+        loop = StepLoop.on_model(self.model_tgt, DecoderPool(self.model_tgt, self.drafter, self.draft_length, first=self))
         seq = loop.start(0, prompt_ids, sampling=self.sampling, max_tokens=max_tokens, stop=stop, seed=seed)
         seq.gen._steps = _one_sequence(loop)
         return seq.gen
@@ -328,8 +319,8 @@ class SequenceStep:
 
         seq.begin()                     # the prompt into the cache, the drafter started
         while not seq.ended():          # max_tokens, a full context, an end-of-generation token, a stop string
-            tokens = seq.plan()         # [last, d1..dk]
-            rows = <the target's pass over tokens, logits for every position>
+            tokens = seq.plan()         # [last, d1..dk] (the first: [prompt's end, last, d1..dk])
+            rows = <the target's pass over tokens, logits for the last seq.n_rows of them>
             step = seq.commit(rows, pass_s, cpu_s=..., share=...)
 
     Between steps `cache` holds the context but its newest token `last` (module docstring).
@@ -351,22 +342,33 @@ class SequenceStep:
         self._t_previous: float | None = None  # when the previous step's pass and verification ended
         self._t_gen = 0.0
         self._t_begin: float | None = None  # when begin() was first called
+        self._n_tail = 0  # prompt tokens left to the next pass (begin())
+        self._pass_tail = 0  # those of them in the pending pass
+        self.n_rows = 1  # the rows of logits the pending pass must return for this sequence
 
     def begin(self, budget: int | None = None) -> bool:
-        """Put the prompt but `last` into the cache (keeping what it already holds of it, such as
-        a chat's history), and into a draft model's, and start the drafter; True when done.
+        """Put the prompt into the cache (keeping what it already holds of it, such as a chat's
+        history) but for its end, which the first step's pass evaluates with `last` and the
+        first draft (`tail`): the first tokens come out of the pass that ends the prompt, as
+        llama-server's do, not a pass after it. Then the prompt into a draft model's cache, and
+        the drafter started; True when done.
 
+        The tail is what is left of the prompt after whole passes of max_pass tokens (or of the
+        budget, when smaller) from what the cache holds, so the prompt goes in the very batches
+        one pass at a time would use, and a server's other sequences wait no longer for it.
         With a budget, each call evaluates at most that many tokens of the prompt (the target's
         cache first, then the draft model's), and returns False until the whole prompt is in: a
         server evaluates a long prompt between the other sequences' passes. A budget that is a
         multiple of the cache's batch size gives the very batches of one call. prompt_s is then
         the wall time from the first call to the last, the other sequences' passes included."""
         gen, cache, context = self.gen, self.cache, self.context
+        prompt = context[:-1]  # (without `last`)
         if self._t_begin is None:
             self._t_begin = time.perf_counter()
-            gen.stats.prompt_reused = common_prefix_len(cache.cached, context[:-1])
+            gen.stats.prompt_reused = common_prefix_len(cache.cached, prompt)
             gen.stats.prompt_tokens = len(context)
-        if not fill_cache(cache, context[:-1], budget):
+            self._n_tail = (len(prompt) - gen.stats.prompt_reused) % min(self.max_pass, budget or self.max_pass)
+        if not fill_cache(cache, prompt[: len(prompt) - self._n_tail], budget):
             return False
         drafter = self.decoder.drafter
         prefill = getattr(drafter, "prefill", None)  # (drafters with a cache of their own)
@@ -392,7 +394,8 @@ class SequenceStep:
 
     def plan(self) -> list[int]:
         """Draft for this step (the drafter asks the decoder's judge); the tokens the target's
-        pass must evaluate for this sequence: [last, *draft]."""
+        pass must evaluate for this sequence: [last, *draft], after the prompt's end on the first
+        step (its rows are not needed: n_rows)."""
         k, t_draft = self._plan_start()
         drafter = self.decoder.drafter
         proposal = drafter.propose(self.context, k, self.decoder.judge) if (drafter is not None and k > 0) else Proposal([])
@@ -416,8 +419,8 @@ class SequenceStep:
         remaining = self.max_tokens - len(self.gen.token_ids)
         room = self.cache.n_ctx - len(self.context)  # positions left after the context
         # A pass emits up to k+1 tokens; keep them within the budget and the context, and the
-        # pass [last, d1..dk] within max_pass (one llama.cpp batch: a small -c makes it small).
-        k = min(self.decoder.n_draft, remaining - 1, room - 1, self.max_pass - 1)
+        # pass [tail, last, d1..dk] within max_pass (one llama.cpp batch: a small -c makes it small).
+        k = min(self.decoder.n_draft, remaining - 1, room - 1, self.max_pass - 1 - self._n_tail)
         t_draft = time.perf_counter()
         self._gap_s = None if self._t_previous is None else t_draft - self._t_previous
         return k, t_draft
@@ -425,9 +428,10 @@ class SequenceStep:
     def _plan_end(self, proposal: Proposal, k: int, t_draft: float) -> list[int]:
         self._draft_s = time.perf_counter() - t_draft
         assert len(proposal.tokens) <= k
-        assert len(self.cache.cached) == len(self.context) - 1
-        self._proposal = proposal
-        return [self.context[-1], *proposal.tokens]
+        n_tail, self._n_tail = self._n_tail, 0
+        assert len(self.cache.cached) + n_tail == len(self.context) - 1
+        self._proposal, self._pass_tail, self.n_rows = proposal, n_tail, len(proposal.tokens) + 1
+        return [*self.context[len(self.context) - 1 - n_tail :], *proposal.tokens]
 
     def book_shared_drafting(self, draft_s: float, token_s: float) -> None:
         """After plan_steps() drafted in lockstep with other sequences (parallel.plan_all): what
@@ -438,10 +442,10 @@ class SequenceStep:
             self._proposal.token_s = token_s
 
     def commit(self, rows: np.ndarray, pass_s: float, *, cpu_s: float | None = None, share: float = 1.0) -> Step:
-        """Book the pass over plan()'s tokens: `rows` are the target's logits for them, pass_s
-        the pass's wall seconds, cpu_s the CPU seconds the process used during it (None: not
-        measured), share this sequence's part of a pass shared with others (parallel.py's
-        SharedPassCost), which the policy is charged. Returns the Step event."""
+        """Book the pass over plan()'s tokens: `rows` are the target's logits for the last
+        n_rows of them ([last, *draft]), pass_s the pass's wall seconds, cpu_s the CPU seconds
+        the process used during it (None: not measured), share this sequence's part of a pass
+        shared with others (SharedPassCost), which the policy is charged. Returns the Step event."""
         t_commit = time.perf_counter()
         decoder, gen, context, proposal = self.decoder, self.gen, self.context, self._proposal
         assert proposal is not None, "commit() follows plan()"
@@ -454,12 +458,13 @@ class SequenceStep:
             decoder.drafter.update(len(draft), verdict.n_accepted)
         t_done = time.perf_counter()
         verify_s = t_done - t_commit  # this sequence's verification, after the pass
-        if decoder.adaptive:
+        if decoder.adaptive:  # (told how many prompt tokens the pass held: the first step's times price the prompt)
             decoder.judge.observe(StepReport(
                 source=proposal.source, n_drafted=len(draft), n_accepted=verdict.n_accepted,
                 confidences=proposal.confidences, draft_s=self._draft_s, pass_tokens=len(draft) + 1,
                 pass_s=pass_s * share + verify_s, token_s=proposal.token_s, first_s=proposal.first_s,
                 context_len=len(context), gap_s=self._gap_s, cpu_s=None if cpu_s is None else cpu_s * share,
+                prompt_tokens=self._pass_tail,
             ))  # fmt: skip
         # (not after the first step: what follows it includes one-off work, such as the
         # live status's first drawing, 1 ms on a terminal)
@@ -483,8 +488,9 @@ class ModelPasses:
         self.model = model
         self.n_batch = model.n_batch
 
-    def eval(self, requests: dict[int, list[int]], *, logits: str = "all") -> dict[int, np.ndarray]:
-        return {s: self.model.eval(tokens, logits=logits) for s, tokens in requests.items()}
+    def eval(self, requests: dict[int, list[int]], *, rows: dict[int, int]) -> dict[int, np.ndarray]:
+        """Each request's logits for its last rows[s] tokens."""
+        return {s: self.model.eval(tokens, logits=rows[s]) for s, tokens in requests.items()}
 
     def clear(self, s: int) -> None:
         self.model.reset()
@@ -497,19 +503,21 @@ class DecoderPool:
     """One SpeculativeDecoder per sampling setting, all sharing the target and drafter. The
     seed is no part of the setting: each generation brings its own (`seed_of`), so items or
     requests with seeds of their own share a decoder and its -n auto policy; beyond LIMIT
-    settings the least recently used goes. `first`: a decoder to start with (the loaded one)."""
+    settings the least recently used goes. `first`: a decoder to start with (the loaded one).
+    `n_draft`: the decoders' draft length (as SpeculativeDecoder's)."""
 
     LIMIT = 8
 
-    def __init__(self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: int | str, *, first: SpeculativeDecoder | None = None):
-        self.model_tgt, self.drafter, self.n_draft = model_tgt, drafter, n_draft
+    def __init__(self, model_tgt: LlamaModel, drafter: Drafter | None, n_draft: DraftLength | int | str, *, first: SpeculativeDecoder | None = None):
+        self.model_tgt, self.drafter = model_tgt, drafter
+        self.draft_length = draft_length_for(drafter is not None, n_draft)
         self._decoders: collections.OrderedDict[SamplingParams, SpeculativeDecoder] = collections.OrderedDict()
         if first is not None:
             self._decoders[dataclasses.replace(first.sampling, seed=None)] = first
 
     def get(self, sampling: SamplingParams) -> SpeculativeDecoder:
         key = dataclasses.replace(sampling, seed=None)
-        decoder = self._decoders.pop(key, None) or SpeculativeDecoder(self.model_tgt, self.drafter, self.n_draft, key)
+        decoder = self._decoders.pop(key, None) or SpeculativeDecoder(self.model_tgt, self.drafter, self.draft_length, key)
         self._decoders[key] = decoder
         while len(self._decoders) > self.LIMIT:
             self._decoders.popitem(last=False)
@@ -604,7 +612,7 @@ class StepLoop:
 
     @classmethod
     def on_sequences(
-        cls, model_tgt: LlamaModel, mode: DraftMode | str, n_draft: int | str, n_seq: int,
+        cls, model_tgt: LlamaModel, mode: DraftMode | str, n_draft: DraftLength | int | str, n_seq: int,
         *, n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
         model_dft: LlamaModel | None = None, release_models: bool = False,
     ) -> "StepLoop":  # fmt: skip
@@ -612,8 +620,10 @@ class StepLoop:
         drafter for `mode`; the modes with a draft model (`model_dft`) draft through their own
         sequence of a second one on the draft model's weights, every slot's next draft token in
         one pass of it. release_models: free the models' own contexts (their KV caches) first,
-        which the loop never evaluates through; the commands do, tests comparing with them do not."""
+        which the loop never evaluates through; the commands do, tests comparing with them do not.
+        `n_draft`: every slot's draft length (as SpeculativeDecoder's)."""
         mode = DraftMode(mode)
+        length = draft_length_for(mode != DraftMode.TARGET_ONLY, n_draft)
         if mode.needs_draft_model and model_dft is None:
             raise ValueError(f"drafting mode {mode!r} needs a draft model")
         if release_models:
@@ -629,14 +639,13 @@ class StepLoop:
             drafters = [make_drafter(mode, SequenceView(draft_passes, s, model_dft)) for s in range(n_seq)]
         else:
             drafters = [make_drafter(mode) for _ in range(n_seq)]
-        longest = AUTO_MAX_DRAFT if n_draft == AUTO else n_draft
-        n_batch = max(512, n_seq * ((longest if drafters[0] is not None else 0) + 1))
+        n_batch = max(512, n_seq * (length.longest + 1))
         passes = MultiSequenceContext(
             model_tgt, n_seq=n_seq, n_ctx_per_seq=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
         )  # fmt: skip
         return cls(
             passes, [SequenceView(passes, s, model_tgt) for s in range(n_seq)],
-            [DecoderPool(model_tgt, drafter, n_draft) for drafter in drafters],
+            [DecoderPool(model_tgt, drafter, length) for drafter in drafters],
             max_pass=passes.n_batch // n_seq,  # every sequence's part fits the shared batch
             draft_passes=draft_passes, pass_costs=SharedPassCost(),
         )  # fmt: skip
@@ -697,7 +706,7 @@ class StepLoop:
             return results
         t_pass, cpu_pass = time.perf_counter(), time.process_time()
         try:
-            rows = self.passes.eval(requests, logits="all")
+            rows = self.passes.eval(requests, rows={s: seqs[s].n_rows for s in requests})
         except Exception as err:
             return {**results, **{s: err for s in requests}}
         cpu_s, pass_s = time.process_time() - cpu_pass, time.perf_counter() - t_pass

@@ -21,7 +21,7 @@ from specli.decoding.engine import DecoderPool, Generation, StepLoop, Step
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SpecliError
 from specli.llama.model import LlamaModel
-from specli.modes import DraftMode
+from specli.modes import DraftLength, DraftMode
 
 
 class GenerationRequest(Protocol):
@@ -74,7 +74,7 @@ class ParallelRunner:
     sizes its drafts, charged its part of a shared pass as `SharedPassCost` splits it."""
 
     def __init__(
-        self, model_tgt: LlamaModel, mode: DraftMode | str, n_draft: int | str, n_seq: int,
+        self, model_tgt: LlamaModel, mode: DraftMode | str, n_draft: DraftLength | int | str, n_seq: int,
         *, n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
         model_dft: LlamaModel | None = None, describe: Describe = str, release_models: bool = False,
     ):  # fmt: skip

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from specli.decoding.policy import FIXED, AdaptivePolicy, DraftJudge, StepReport
+from specli.modes import DraftLength
 
-AUTO = "auto"
 WIDEST = 65  # pass widths a cost table holds (a draft of 64 and the newest token)
 
 
@@ -155,12 +155,13 @@ def agreeing(draft: Sequence[int], text: Sequence[int], at: int) -> int:
 
 
 def replay(
-    text: Sequence[int], prompt_len: int, drafter, n_draft: int | str, costs: Callable[[int], float], *,
+    text: Sequence[int], prompt_len: int, drafter, n_draft: DraftLength | int | str, costs: Callable[[int], float], *,
     policy: AdaptivePolicy | None = None, end: int | None = None, utilization: float | None = None,
 ) -> Replay:  # fmt: skip
     """Replay a generation of text[prompt_len:end] (default: to the end of `text`) with a
     model-free `drafter` (drafters.Drafter: begin/propose/update) at a fixed `n_draft` or
-    "auto" (a fresh AdaptivePolicy unless `policy` is given, e.g. one seeded with saved state,
+    auto (a DraftLength, or "auto" or a number; ValueError for anything else; auto: a fresh
+    AdaptivePolicy up to its maximum unless `policy` is given, e.g. one seeded with saved state,
     or one that lived through earlier replays). `costs` is what the policy is told each pass
     took (width -> seconds); `utilization`, the CPU seconds per second it is told each pass
     used (None: not measured; 2.0 is two quiet threads, less says other processes share the
@@ -169,12 +170,13 @@ def replay(
     end = len(text) if end is None else end
     if not 0 < prompt_len < end <= len(text):
         raise ValueError("a replay needs a prompt and at least one token after it")
+    length = DraftLength.of(n_draft)
     judge: DraftJudge = FIXED
-    if n_draft == AUTO:
-        policy = policy if policy is not None else AdaptivePolicy(64)
+    if length.is_auto:
+        policy = policy if policy is not None else AdaptivePolicy(length.maximum)
         judge, n_max = policy, policy.max_draft
     else:
-        policy, n_max = None, int(n_draft)
+        policy, n_max = None, length.longest
     context = text[:prompt_len]
     drafter.begin(list(context))
     out = Replay()

@@ -3,11 +3,14 @@
 - drafted: draft tokens sent to the target for checking.
 - accepted: draft tokens the target agreed with.
 - acceptance_rate = accepted / drafted (None when nothing was drafted).
-- target_passes: target decodes during generation (one per step; the prompt is not counted).
+- target_passes: target decodes during generation, one per step; the first step's also holds
+  the prompt's end (the part after its whole passes of one batch: the first tokens come from the
+  pass that finishes the prompt, as llama-server's do); the prompt's other passes are not counted.
 - mean_tokens_per_pass = generated tokens / target passes (1.0 = no gain from drafting;
   equals 1 + accepted/passes when no step was cut short by a stop token).
 - tokens_per_s = generated tokens / generation time (prompt processing excluded).
-- prompt_s: time to put the prompt into the target's (and the draft model's) cache; in `serve`
+- prompt_s: time to put the prompt into the target's (and the draft model's) cache, but for the
+  prompt's end, which the first step's pass evaluates (its time is generation time); in `serve`
   with several slots, from the first of its batches to the last, the other slots' passes between
   them included.
 - prompt_reused: prompt tokens already in the target's cache from an earlier generation (a chat's

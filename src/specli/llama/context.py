@@ -63,33 +63,45 @@ class MultiSequenceContext:
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.cached: list[list[int]] = [[] for _ in range(n_seq)]
 
-    def eval(self, requests: dict[int, Sequence[int]], *, logits: Literal["all", "none"] = "all") -> dict[int, np.ndarray]:
+    def eval(
+        self, requests: dict[int, Sequence[int]], *, logits: Literal["all", "none"] = "all", rows: dict[int, int] | None = None,
+    ) -> dict[int, np.ndarray]:  # fmt: skip
         """Append each request's tokens to its sequence; return {seq: logits, one row per token}
-        (empty dict for "none"). "all" needs every token in one batch (<= n_batch in total).
-        The arrays are views of llama.cpp's buffer, valid until the next eval."""
-        flat = [(seq, len(self.cached[seq]) + i, token) for seq, tokens in requests.items() for i, token in enumerate(tokens)]
+        (empty dict for "none"); with `rows`, one row for each of the last rows[seq] tokens of
+        sequence seq only (a prompt's end evaluated with a step's tokens). Logits need every
+        token in one batch (<= n_batch in total). The arrays are views of llama.cpp's buffer,
+        valid until the next eval."""
+        if logits == "none":
+            rows = {seq: 0 for seq in requests}
+        elif rows is None:
+            rows = {seq: len(tokens) for seq, tokens in requests.items()}
+        flat = [
+            (seq, len(self.cached[seq]) + i, token, i >= len(tokens) - rows[seq])
+            for seq, tokens in requests.items() for i, token in enumerate(tokens)
+        ]  # fmt: skip
         for seq, tokens in requests.items():
             if len(self.cached[seq]) + len(tokens) > self.n_ctx_per_seq:
                 raise SpecliError(f"internal: sequence {seq} would exceed its {self.n_ctx_per_seq} positions")
         if logits == "all":
-            assert len(flat) <= self.n_batch, "logits for all positions: one batch at most"
+            assert len(flat) <= self.n_batch, "logits: one batch at most"
         for start in range(0, len(flat), self.n_batch):
-            self._decode_chunk(flat[start : start + self.n_batch], want_logits=logits == "all")
-        if logits == "none" or not flat:
+            self._decode_chunk(flat[start : start + self.n_batch])
+        n_out = sum(rows.values())
+        if logits == "none" or not n_out:
             return {}
         with native_pass:  # llama_decode returns before the pass is done: this waits for it
             ptr = llama_cpp.llama_get_logits(self._ctx)
-        out = np.ctypeslib.as_array(ptr, shape=(len(flat), self.n_vocab))
-        rows, row = {}, 0
-        for seq, tokens in requests.items():  # rows come in batch order: sequence by sequence
-            rows[seq] = out[row : row + len(tokens)]
-            row += len(tokens)
-        return rows
+        out = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+        by_seq, row = {}, 0
+        for seq in requests:  # rows come in batch order: sequence by sequence
+            by_seq[seq] = out[row : row + rows[seq]]
+            row += rows[seq]
+        return by_seq
 
-    def _decode_chunk(self, chunk: list[tuple[int, int, int]], *, want_logits: bool) -> None:
+    def _decode_chunk(self, chunk: list[tuple[int, int, int, bool]]) -> None:
         batch = self._batch
         batch.n_tokens = len(chunk)
-        for i, (seq, pos, token) in enumerate(chunk):
+        for i, (seq, pos, token, want_logits) in enumerate(chunk):
             batch.token[i] = token
             batch.pos[i] = pos
             batch.n_seq_id[i] = 1
@@ -98,14 +110,14 @@ class MultiSequenceContext:
         with native_pass:  # a Ctrl-C comes out after the bookkeeping
             status = llama_cpp.llama_decode(self._ctx, batch)
             if status != 0:
-                for seq in {seq for seq, _, _ in chunk}:  # drop what may have landed, keep `cached` true
+                for seq in {seq for seq, *_ in chunk}:  # drop what may have landed, keep `cached` true
                     llama_cpp.llama_memory_seq_rm(self._memory, seq, len(self.cached[seq]), -1)
             else:
-                for seq, _, token in chunk:
+                for seq, _, token, _ in chunk:
                     self.cached[seq].append(token)
         if status != 0:
             reason = last_native_error() or f"llama_decode returned {status}"
-            raise SpecliError(f"decoding {len(chunk)} tokens of {len({s for s, _, _ in chunk})} sequences failed: {reason}")
+            raise SpecliError(f"decoding {len(chunk)} tokens of {len({s for s, *_ in chunk})} sequences failed: {reason}")
 
     def truncate(self, seq: int, n_keep: int) -> None:
         """Forget positions >= n_keep of sequence `seq`."""

@@ -257,34 +257,35 @@ class LlamaModel:
         return cached
 
     # --- the KV cache -------------------------------------------------------------------------
-    def eval(self, tokens: Sequence[int], *, logits: Literal["all", "last", "none"] = "last") -> np.ndarray:
+    def eval(self, tokens: Sequence[int], *, logits: Literal["all", "last", "none"] | int = "last") -> np.ndarray:
         """Append `tokens` to the cache and return their logits.
 
         Needs: len(cached) + len(tokens) <= n_ctx. Returns an array of shape (rows, n_vocab):
-        one row per token for "all", one row for "last", zero rows for "none". The array is a
-        view of llama.cpp's buffer, valid only until the next eval: copy what must outlive it.
+        one row per token for "all", one row for "last", zero rows for "none", and for a number
+        m one row for each of the last m tokens (a prompt's end evaluated with a step's tokens:
+        only these need rows). Rows come from the final batch only. The array is a view of
+        llama.cpp's buffer, valid only until the next eval: copy what must outlive it.
         """
         if not tokens:
             return np.empty((0, self.n_vocab), dtype=np.float32)
-        assert logits != "all" or len(tokens) <= self.n_batch, "logits for all positions: one batch at most"
+        n_rows = {"all": len(tokens), "last": 1, "none": 0}[logits] if isinstance(logits, str) else logits
+        final_start = (len(tokens) - 1) // self.n_batch * self.n_batch
+        assert 0 <= n_rows <= len(tokens) - final_start, "logits from the final batch only"
         if len(self.cached) + len(tokens) > self.n_ctx:
             raise SpecliError(f"internal: {len(self.cached)}+{len(tokens)} tokens exceed the context of {self.n_ctx}")
-        rows = 0
         self._tail_logits = None
         for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start : start + self.n_batch]
-            is_final_chunk = start + self.n_batch >= len(tokens)
-            want = "none" if not is_final_chunk else logits
-            rows = self._decode_chunk(chunk, want)
-        if rows == 0:
+            self._decode_chunk(tokens[start : start + self.n_batch], n_rows if start == final_start else 0)
+        if n_rows == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         with native_pass:  # llama_decode returns before the pass is done: this waits for it
             ptr = llama_cpp.llama_get_logits(self._ctx)
-        out = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
+        out = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
         self._tail_logits = out[-1:]
         return out
 
-    def _decode_chunk(self, chunk: Sequence[int], logits: str) -> int:
+    def _decode_chunk(self, chunk: Sequence[int], n_rows: int) -> None:
+        """Decode one batch, with logits for its last n_rows tokens."""
         assert self._ctx, "internal: this model's own context was released"
         batch = self._batch
         pos0 = len(self.cached)
@@ -295,9 +296,7 @@ class LlamaModel:
             batch.pos[i] = pos0 + i
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = 0
-            batch.logits[i] = logits == "all"
-        if logits == "last":
-            batch.logits[n - 1] = True
+            batch.logits[i] = i >= n - n_rows
         with native_pass:  # a Ctrl-C comes out after the bookkeeping
             status = llama_cpp.llama_decode(self._ctx, batch)
             if status == 0:
@@ -308,7 +307,6 @@ class LlamaModel:
         if status != 0:
             reason = last_native_error() or f"llama_decode returned {status}"
             raise SpecliError(f"decoding failed at position {pos0}: {reason}")
-        return n if logits == "all" else (1 if logits == "last" else 0)
 
     def truncate(self, n_keep: int) -> None:
         """Forget every cached position >= n_keep. Raises SpecliError if llama.cpp cannot."""

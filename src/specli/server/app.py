@@ -74,7 +74,7 @@ class Service:
         self._check_key(http)
         s = self.settings
         entry = {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "specli",
-                 "meta": {"n_ctx": self.scheduler.n_ctx, "drafting": self.scheduler.mode, "draft_max": self.scheduler.n_draft,
+                 "meta": {"n_ctx": self.scheduler.n_ctx, "drafting": self.scheduler.mode, "draft_max": self.scheduler.draft_length.json_value,
                           "parallel": len(self.scheduler.slots)}}  # fmt: skip
         return JSONResponse({"object": "list", "data": [entry]})
 
@@ -214,7 +214,7 @@ class Service:
 
     def _extra(self, event: Done) -> dict:
         gen = event.generation
-        spec = protocol.speculative(gen.stats, mode=self.scheduler.mode, n_draft=self.scheduler.n_draft, seed=gen.seed, stop_reason=gen.stop_reason)
+        spec = protocol.speculative(gen.stats, mode=self.scheduler.mode, draft_length=self.scheduler.draft_length, seed=gen.seed, stop_reason=gen.stop_reason)
         return {"usage": protocol.usage(len(gen.prompt_ids), len(gen.token_ids)), "speculative": spec, "timings": protocol.timings(gen.stats)}
 
     def _log(self, http: HttpRequest, kind: str, event: Done, t0: float) -> None:

@@ -20,6 +20,7 @@ from specli.decoding.engine import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED
 from specli.decoding.sampling import JSON_FIELDS, SamplingParams
 from specli.decoding.stats import Stats
 from specli.errors import SettingError
+from specli.modes import DraftLength
 
 CHAT = "chat.completion"
 TEXT = "text_completion"
@@ -232,12 +233,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def speculative(stats: Stats, *, mode: str, n_draft: int | str, seed: Optional[int], stop_reason: Optional[str]) -> dict:
+def speculative(stats: Stats, *, mode: str, draft_length: DraftLength, seed: Optional[int], stop_reason: Optional[str]) -> dict:
     """This request's drafting figures (stats.py defines each), beside `usage`."""
     s = stats.to_dict()
     keep = ("drafted", "accepted", "acceptance_rate", "target_passes", "mean_tokens_per_pass", "tokens_per_s",
             "prompt_tokens", "prompt_reused", "prompt_s", "wall_s", "mean_draft_length")  # fmt: skip
-    return {"mode": mode, "draft_max": n_draft, **{k: s[k] for k in keep}, "seed": seed, "stop_reason": stop_reason}
+    return {"mode": mode, "draft_max": draft_length.json_value, **{k: s[k] for k in keep}, "seed": seed, "stop_reason": stop_reason}
 
 
 def timings(stats: Stats) -> dict:

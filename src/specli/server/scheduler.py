@@ -102,15 +102,15 @@ class Scheduler:
         context replaces (ParallelRunner)."""
         self.model_tgt = loaded.model_tgt
         self.mode = loaded.plan.mode
-        self.n_draft = loaded.decoder.n_draft_label
+        self.draft_length = loaded.decoder.draft_length
         self.queue_limit = queue_limit
         self.describe = describe
         if n_seq == 1:
             # the loaded decoder, with the saved -n auto measurements, serves its own setting
-            self.loop = StepLoop.on_model(self.model_tgt, DecoderPool(self.model_tgt, loaded.decoder.drafter, self.n_draft, first=loaded.decoder))
+            self.loop = StepLoop.on_model(self.model_tgt, DecoderPool(self.model_tgt, loaded.decoder.drafter, self.draft_length, first=loaded.decoder))
         else:
             self.loop = StepLoop.on_sequences(
-                self.model_tgt, self.mode, self.n_draft, n_seq, n_threads=n_threads, model_dft=loaded.model_dft,
+                self.model_tgt, self.mode, self.draft_length, n_seq, n_threads=n_threads, model_dft=loaded.model_dft,
                 kv_type=kv_type, flash_attn=flash_attn, release_models=release_models,
             )  # fmt: skip
         self.slots = [_ServeSlot(cache) for cache in self.loop.caches]

@@ -4,9 +4,12 @@
 Nothing here loads a model, and only BenchLoop runs one; cli/bench.py loads the pair, shows the
 progress and renders the tables.
 Vocabulary:
-- a *configuration* is a draft length N; N = 0 stands for target-only decoding (the baseline);
-- a *record* is one measured run: one prompt, one configuration, one round (a dict of numbers);
-- a *row* aggregates a scenario's records for one configuration (medians, pooled ratios).
+- a *configuration* is a draft length N (a modes.DraftLength); N = 0 (DraftLength.off(),
+  BASELINE) stands for target-only decoding (the baseline);
+- a *record* is one measured run: one prompt, one configuration, one round (a dict of numbers,
+  the configuration as JSON spells it: 0, "auto" or N);
+- a *row* aggregates a scenario's records for one configuration (medians, pooled ratios), which
+  it names as the records do.
 """
 
 from __future__ import annotations
@@ -19,16 +22,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from specli.decoding.engine import AUTO, MAX_DRAFT, SpeculativeDecoder, parse_draft_length
+from specli.decoding.engine import SpeculativeDecoder
 from specli.errors import UsageError
 from specli.files import read_limited, replace_text, strip_bom
+from specli.modes import MAX_DRAFT, DraftLength
 
 if TYPE_CHECKING:
     from specli.decoding.sampling import SamplingParams
     from specli.session.loading import Loaded
 
-DEFAULT_NS = (AUTO, 1, 2, 3, 5, 8, 12)
-NO_DRAFTING = 0  # the configuration "N = 0": no drafting
+DEFAULT_NS = (DraftLength.auto(), *map(DraftLength.fixed_at, (1, 2, 3, 5, 8, 12)))
+BASELINE = DraftLength.off()  # the configuration "N = 0": no drafting
+# The configurations as records and rows spell them (DraftLength.json_value).
+NO_DRAFTING = BASELINE.json_value
+AUTO = DraftLength.auto().json_value
 
 # Verdict thresholds on the best measured speedup (the guide's terms).
 YES_AT = 1.2
@@ -119,30 +126,25 @@ def token_budget(prompt: BenchPrompt, max_tokens: int) -> int:
 # Options
 
 
-def parse_ns(text: str) -> list[int | str]:
-    """`--draft-max auto,8,2,4` -> ["auto", 2, 4, 8] (auto first, then sorted, no duplicates). Raises
+def parse_ns(text: str) -> list[DraftLength]:
+    """`--draft-max auto,8,2,4` -> auto, 2, 4, 8 (auto first, then sorted, no duplicates). Raises
     UsageError naming the bad item."""
-    ns: set[int] = set()
-    auto = False
+    ns: set[DraftLength] = set()
     for item in text.split(","):
         try:
-            n = parse_draft_length(item)
+            ns.add(DraftLength.parse(item))
         except ValueError as err:
             raise UsageError(f"--draft-max takes 'auto' or draft lengths between 1 and {MAX_DRAFT}, separated by commas, like auto,2,4,8; {err}") from None
-        if n == AUTO:
-            auto = True
-        else:
-            ns.add(n)
-    return [AUTO] * auto + sorted(ns)
+    return sorted(ns, key=lambda n: (not n.is_auto, n.longest))
 
 
 def config_order(n: int | str) -> tuple[int, int]:
-    """Sort key of configurations: target-only, auto, then fixed N ascending."""
+    """Sort key of configurations as records spell them: target-only, auto, then fixed N ascending."""
     return (0, 0) if n == NO_DRAFTING else (1, 0) if n == AUTO else (2, int(n))
 
 
 def is_fixed(n: int | str) -> bool:
-    """A fixed draft length (not target-only, not auto)."""
+    """A fixed draft length as records spell it (not target-only, not auto)."""
     return isinstance(n, int) and n != NO_DRAFTING
 
 
@@ -197,18 +199,18 @@ def _jsonl_prompt(path: Path, lineno: int, line: str) -> BenchPrompt:
 
 @dataclass(frozen=True)
 class BenchJob:
-    """One run to do: round r (0-based), prompt index, configuration N (0 = target-only)."""
+    """One run to do: round r (0-based), prompt index, configuration N (BASELINE = target-only)."""
 
     round: int
     prompt: int
-    n: int
+    n: DraftLength
 
 
-def schedule(n_prompts: int, ns: list[int], repeat: int) -> list[BenchJob]:
+def schedule(n_prompts: int, ns: list[DraftLength], repeat: int) -> list[BenchJob]:
     """Every (round, prompt, configuration) once, interleaved: within a round each prompt runs
     all configurations back to back, and the order of the configurations rotates by one each
     round, so slow spells of the machine (and warm-up) hit every configuration alike."""
-    configs = [NO_DRAFTING, *ns]
+    configs = [BASELINE, *ns]
     jobs = []
     for r in range(repeat):
         shift = r % len(configs)
@@ -248,12 +250,12 @@ class BenchLoop:
     """The schedule run on loaded models, in this process, through SpeculativeDecoder.
 
     Needs `loaded` from loading.load (a drafting plan). The target-only decoder shares the
-    target model; the speculative one is the loaded decoder with n_draft set per run. Making
-    one tokenizes the prompts (UsageError when one does not fit the context) and warms both
-    decoders up; runs() then runs `jobs` in order.
+    target model; the speculative one is the loaded decoder with its draft length set per
+    run. Making one tokenizes the prompts (UsageError when one does not fit the context) and
+    warms both decoders up; runs() then runs `jobs` in order.
     """
 
-    def __init__(self, loaded: "Loaded", prompts: Sequence[BenchPrompt], ns: list[int | str], repeat: int,
+    def __init__(self, loaded: "Loaded", prompts: Sequence[BenchPrompt], ns: list[DraftLength], repeat: int,
                  max_tokens: int, sampling: "SamplingParams"):  # fmt: skip
         model_tgt = loaded.model_tgt
         add_bos = model_tgt.vocab_info().add_bos
@@ -263,15 +265,15 @@ class BenchLoop:
                 raise UsageError(f"prompt '{prompt.name}' is {len(prompt_ids)} tokens but the context holds {model_tgt.n_ctx}; raise -c")
         self._prompts, self._max_tokens, self._sampling = list(prompts), max_tokens, sampling
         self._mode = loaded.plan.mode
-        self._plain = SpeculativeDecoder(model_tgt, None, 0, sampling)
+        self._plain = SpeculativeDecoder(model_tgt, None, BASELINE, sampling)
         self._spec = loaded.decoder
         self._warm_up(self._ids[0], ns[0])
         self.jobs = schedule(len(prompts), ns, repeat)
 
-    def _warm_up(self, prompt_ids: list[int], n: int | str) -> None:
+    def _warm_up(self, prompt_ids: list[int], n: DraftLength) -> None:
         """A few untimed tokens through both decoders: the first runs of a process are slower
         (allocations, caches), and that must not count against whichever configuration is first."""
-        self._spec.set_n_draft(n)
+        self._spec.set_draft_length(n)
         for decoder in (self._plain, self._spec):
             decoder.generate(prompt_ids, max_tokens=8).run()
 
@@ -281,9 +283,9 @@ class BenchLoop:
         for job in self.jobs:
             prompt = self._prompts[job.prompt]
             yield Starting(job, prompt)
-            decoder = self._plain if job.n == NO_DRAFTING else self._spec
-            if job.n:
-                decoder.set_n_draft(job.n)
+            decoder = self._plain if job.n.is_off else self._spec
+            if not job.n.is_off:
+                decoder.set_draft_length(job.n)
             seed = None if self._sampling.greedy else run_seed(self._sampling.seed, job.round)
             yield Measured(job, self._one_run(decoder, job, prompt, seed))
 
@@ -297,8 +299,8 @@ class BenchLoop:
                 rejections += 1
         st = gen.stats
         return {
-            "round": job.round, "prompt": prompt.name, "scenario": prompt.scenario, "n_draft": job.n,
-            "drafter": self._mode if job.n else None, "seed": gen.seed, "max_tokens": budget,
+            "round": job.round, "prompt": prompt.name, "scenario": prompt.scenario, "n_draft": job.n.json_value,
+            "drafter": None if job.n.is_off else self._mode, "seed": gen.seed, "max_tokens": budget,
             "n_tokens": st.n_tokens, "stop_reason": gen.stop_reason, "tokens_per_s": st.tokens_per_s,
             "generation_s": st.generation_s, "prompt_tokens": st.prompt_tokens, "prompt_s": st.prompt_s,
             "drafted": st.drafted, "accepted": st.accepted, "rejections": rejections,
@@ -335,7 +337,7 @@ class Row:
     """One configuration of one scenario, aggregated over its prompts and rounds."""
 
     scenario: str
-    n: int | str  # 0 = target-only, "auto" = the adaptive policy
+    n: int | str  # as the records spell it: 0 = target-only, "auto" = the adaptive policy
     runs: int
     tokens_per_s: float | None  # median over runs
     speedup: float | None  # over target-only: median of each run's ratio to its twin (aggregate)

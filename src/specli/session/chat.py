@@ -17,7 +17,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
-from specli.decoding.engine import AUTO, MAX_DRAFT, parse_draft_length
 from specli.errors import UsageError
 from specli.files import input_limit_error, max_input_bytes, replace_text
 from specli.llama.model import LlamaModel
@@ -26,7 +25,7 @@ from specli.llama.templates import JinjaTemplate, TemplateRenderError, apply_cha
 from specli.session.loading import Loaded
 from specli.decoding.sampling import sampling_json
 from specli.decoding.stats import Stats
-from specli.modes import DraftMode
+from specli.modes import MAX_DRAFT, DraftLength, DraftMode
 
 PLAIN = "plain"  # our fallback format for models without a usable template
 # A plain reply ends where the model starts the user's next turn (templates end a turn with an
@@ -524,12 +523,12 @@ class ChatSession:
             self.notice("/n: no drafting in --target-only mode")
             return
         try:
-            n = parse_draft_length(arg)
+            n = DraftLength.parse(arg)
         except ValueError:
             self.notice(f"/n needs 'auto' or a number of draft tokens from 1 to {MAX_DRAFT}, e.g. /n 8")
             return
-        self.loaded.decoder.set_n_draft(n)
-        self.notice("draft length: chosen each step (auto)" if n == AUTO else f"draft length: {n} tokens per step")
+        self.loaded.decoder.set_draft_length(n)
+        self.notice("draft length: chosen each step (auto)" if n.is_auto else f"draft length: {n} tokens per step")
 
     def _reset(self) -> None:
         self.messages.clear()
@@ -567,7 +566,7 @@ class ChatSession:
             "settings": {
                 "target": str(plan.target_path),
                 "draft": plan.draft_label,
-                "n_draft": self.loaded.decoder.n_draft_label,
+                "n_draft": self.loaded.decoder.draft_length.json_value,
                 "template": self.formatter.name,
                 "max_tokens": self.options.max_tokens,
                 "n_ctx": self.loaded.model_tgt.n_ctx,

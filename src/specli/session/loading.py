@@ -17,13 +17,13 @@ from specli import __version__
 from specli.decoding.policy import store as policy_store
 from specli.llama.compat import check_compatible
 from specli.decoding.drafters import make_drafter
-from specli.decoding.engine import AUTO, SpeculativeDecoder
+from specli.decoding.engine import SpeculativeDecoder, draft_length_for
 from specli.errors import IncompatibleDraftError, SpecliError, UsageError
 from specli.files import write_atomically
 from specli.llama.context import validate_ctx
 from specli.llama.model import LlamaModel
 from specli.models import fit
-from specli.modes import DraftMode
+from specli.modes import DraftLength, DraftMode
 from specli.models.registry import load_effective_registry, resolve_draft_arg, resolve_model_arg, resolve_source
 from specli.decoding.sampling import GREEDY, SamplingParams
 from specli.llama.rpc import RPC_TIMEOUT_S
@@ -37,7 +37,7 @@ class ModelChoice:
     draft: str | None = None
     lookup: bool = False
     target_only: bool = False
-    n_draft: int | str | None = None  # a fixed length, "auto", or None (= auto)
+    draft_length: DraftLength | None = None  # None: auto
     n_ctx: int = 4096
     ngl: int = -1
     draft_ngl: int = -1
@@ -59,7 +59,7 @@ class Plan:
     target_path: Path
     draft_path: Path | None  # a draft model file, or None
     mode: DraftMode
-    n_draft: int | str  # a fixed length or "auto"
+    draft_length: DraftLength  # a fixed length or auto; off for target-only
     sampling: SamplingParams = GREEDY
     # One line each for stderr, found in the GGUF headers before loading (see check_headers).
     warnings: list[str] = field(default_factory=list)
@@ -187,9 +187,11 @@ def plan(choice: ModelChoice) -> Plan:
         # No draft model named: prompt lookup costs nothing and never changes the output.
         mode = DraftMode.LOOKUP
 
-    # A bad n_draft is refused by SpeculativeDecoder.set_n_draft (the CLI refuses it earlier).
-    n_draft = AUTO if choice.n_draft is None else choice.n_draft
-    p = Plan(target_path, draft_path, mode, n_draft, choice.sampling)
+    # A library caller's "auto" or number is taken too, and a bad one refused (SettingError);
+    # the CLI refuses it earlier. Target-only drafts nothing, whatever was asked.
+    asked = DraftLength.auto() if choice.draft_length is None else choice.draft_length
+    draft_length = draft_length_for(mode != DraftMode.TARGET_ONLY, asked)
+    p = Plan(target_path, draft_path, mode, draft_length, choice.sampling)
     p.warnings = check_headers(p, choice.n_ctx)
     return p
 
@@ -254,7 +256,7 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
                 raise UsageError(f"{p.draft_path.name} is a recurrent or hybrid model; use a transformer draft model")
             if p.draft_path.resolve() != p.target_path.resolve():
                 check_compatible(model_tgt.vocab_info(), model_dft.vocab_info(), model_tgt.token_text, model_dft.token_text)
-        decoder = SpeculativeDecoder(model_tgt, make_drafter(p.mode, model_dft), p.n_draft, p.sampling)
+        decoder = SpeculativeDecoder(model_tgt, make_drafter(p.mode, model_dft), p.draft_length, p.sampling)
         loaded = Loaded(p, model_tgt, model_dft, decoder)
         if decoder.adaptive:
             loaded.policy_key = policy_key(p, choice)

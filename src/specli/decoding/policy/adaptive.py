@@ -156,6 +156,7 @@ class StepReport:
     context_len: int = 0  # the context the pass ran after
     gap_s: float | None = None  # from the end of the previous step's pass to this step's start (None: first step)
     cpu_s: float | None = None  # the CPU seconds the process used during the pass, when measured
+    prompt_tokens: int = 0  # prompt tokens the pass also evaluated (a generation's first): its times are no step's cost
 
 
 class AdaptivePolicy(DraftJudge):
@@ -472,6 +473,9 @@ class AdaptivePolicy(DraftJudge):
 
     def observe(self, step: StepReport) -> None:
         """One step's facts (StepReport), as the engine measured them. Ends the step's plan."""
+        if step.prompt_tokens:
+            self._observe_verdict(step)
+            return
         source, n_drafted, n_accepted, confidences = step.source, step.n_drafted, step.n_accepted, step.confidences
         draft_s, pass_tokens, pass_s, token_s, first_s = step.draft_s, step.pass_tokens, step.pass_s, step.token_s, step.first_s
         context_len, gap_s, cpu_s = step.context_len, step.gap_s, step.cpu_s
@@ -551,6 +555,24 @@ class AdaptivePolicy(DraftJudge):
         elif not probe and self.plain_s is not None and (n_accepted + 1) * self._plain_at(context_len) > draft_s + pass_s + (self.draft_gap_s or 0.0):
             # This draft beat plain decoding: when drafting stops paying, probe again soon.
             self._credit = None
+        self._learn_verdict(state, plan, source, n_drafted, n_accepted, confidences)
+        if confidences is not None and token_s is None and state.t_draft is not None:
+            return  # a draft model's one-token proposal: no draft pass of its own was timed
+        per_token = token_s if token_s is not None else draft_s / n_drafted
+        state.t_draft = timed(state.t_draft, per_token)
+        if (warm or not state.runs_model) and not contended:
+            state.t_draft_samples.append(per_token)
+
+    def _observe_verdict(self, step: StepReport) -> None:
+        """A step whose pass also put the prompt's end into the cache (a generation's first):
+        what the target accepted counts, its times would price the prompt as drafting."""
+        plan, self.plan = self.plan, None
+        record = plan.record if plan is not None and plan.source == step.source else step.source
+        if record is not None and step.n_drafted > 0:
+            self._learn_verdict(self.source(record), plan, step.source, step.n_drafted, step.n_accepted, step.confidences)
+
+    def _learn_verdict(self, state, plan, source, n_drafted: int, n_accepted: int, confidences) -> None:
+        """What a drafter's source learns from the target's verdict on its proposal."""
         state.acceptance.observe(n_drafted, n_accepted)
         if plan is not None and plan.source == source and plan.match:
             state.copy.observe(plan.match, n_drafted, n_accepted, plan.agreed, plan.fork)
@@ -560,12 +582,6 @@ class AdaptivePolicy(DraftJudge):
             state.reach = max(2 * (n_accepted + 1), REACH_MIN)
         if confidences:
             state.calibration.observe(confidences, n_accepted)
-        if confidences is not None and token_s is None and state.t_draft is not None:
-            return  # a draft model's one-token proposal: no draft pass of its own was timed
-        per_token = token_s if token_s is not None else draft_s / n_drafted
-        state.t_draft = timed(state.t_draft, per_token)
-        if (warm or not state.runs_model) and not contended:
-            state.t_draft_samples.append(per_token)
 
     def _pay_for_probes(self, probe: bool, step_s: float, tokens: int, context_len: int) -> None:
         """The probing budget: every step adds PROBE_BUDGET of its time (up to PROBE_CREDIT plain
