@@ -109,6 +109,11 @@ def test_the_replay_counts_what_the_engine_does(target):
         assert replayed.passes == gen.stats.target_passes
         assert (replayed.drafted, replayed.n_accepted) == (gen.stats.drafted, gen.stats.accepted)
         assert replayed.n_tokens == len(plain.token_ids)
+    # With auto the first pass, which also finishes the prompt, drafts nothing, in both.
+    target.reset()
+    gen = SpeculativeDecoder(target, PromptLookupDrafter(), "auto").generate(ids, max_tokens=48)
+    assert next(iter(gen)).n_drafted == 0
+    assert replay(ids + plain.token_ids, len(ids), PromptLookupDrafter(), "auto", CPU).widths[0] == 1
 
 
 def _scripted(seed: int = 0) -> tuple[list[int], int, int]:

@@ -1,7 +1,7 @@
 """`specli batch`: many prompts, one model load, nothing lost.
 
-The pure parts (input lines, records, resume, summary) live in session/batch.py, the generation
-loops in decoding/parallel.py; a record is `run --json`'s object (cli/run.py).
+Options and what is shown; the run is session/batch_run.py's (the pure parts: session/batch.py,
+the feeding of items to the step loop: decoding/parallel.py); a record is `run --json`'s object.
 
 Exit codes: 0 every line done, 1 some line failed (its error record is in the output), 2 bad
 usage (nothing generated), 130 interrupted (every finished item is in the output; run again).
@@ -22,11 +22,10 @@ from specli.cli.options import (
     Drafting, Memory, Models, Quiet, Sampling, Stop, Threads, Verbose, error_message, flatten, load_models, max_tokens_option,
     check_parallel, model_choice, stop_strings,
 )  # fmt: skip
-from specli.cli.run import ChatFlag, System, Template, result_json
-from specli.decoding.sampling import sampling_json
-from specli.errors import EXIT_RUNTIME, SpecliError, UsageError
-from specli.files import ExclusiveLock, LockBusy, check_writable, replace_text, write_atomically
-from specli.session import batch
+from specli.cli.run import ChatFlag, System, Template
+from specli.errors import EXIT_RUNTIME, UsageError
+from specli.files import ExclusiveLock, LockBusy, check_writable, replace_text
+from specli.session import batch, batch_run
 from specli.modes import DraftMode
 
 EXIT_SOME_FAILED = EXIT_RUNTIME
@@ -69,51 +68,42 @@ def batch_command(
         check_writable(summary_path, "the --summary file")
     lock = _lock_output(out_path) if out_path is not None else None
     try:
-        return _batch(
-            input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens,
-            quiet=quiet, verbose=verbose, force=force, stop=stops, chat=(chat or system is not None or template is not None, system, template),
+        settings = batch_run.BatchSettings(
+            input_path, out_path, choice, max_tokens, parallel=parallel, input_format=input_format, overwrite=overwrite,
+            force=force, stop=stops, chat=chat, system=system, template=template,
         )  # fmt: skip
+        return _batch(settings, output=output, summary_path=summary_path, quiet=quiet, verbose=verbose)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _batch(input_path, output, out_path, overwrite, summary_path, parallel, input_format, choice, max_tokens, *, quiet, verbose, force=False, stop=(),
-           chat=(False, None, None)) -> int:
-    """The run itself, with the output (if a file) locked."""
+def _batch(settings: batch_run.BatchSettings, *, output: str, summary_path: Optional[Path], quiet: bool, verbose: bool) -> int:
+    """The run itself, with the output (if a file) locked; the summary on stderr (and in
+    --summary's file)."""
     from specli.llama.native import init_backend
-    from specli.session.loading import plan
-
-    lines = batch.read_input(input_path, sys.stdin.buffer)
-    fmt = batch.detect_format(input_path, lines, input_format)
-    use_chat, system, template = chat
-    if template is not None:
-        from specli.session.chat import check_template_name
-
-        check_template_name(template)  # before the (slow) load
-    entries = batch.parse_lines(lines, fmt, choice.sampling, max_tokens, chat=use_chat, system=system, stop=stop)
-    previous = batch.read_previous(out_path) if out_path is not None and out_path.exists() and not overwrite else None
 
     init_backend(verbose=verbose)
-    the_plan = plan(choice)
-    if previous is not None and not force:
-        _refuse_other_settings(out_path, previous, entries, the_plan)
-    if previous is not None and not quiet:
-        print(_resume_notice(out_path, previous, entries), file=sys.stderr)
-    loaded = load_models(the_plan, choice, quiet=quiet, verbose=verbose)
+    job = batch_run.prepare(settings, sys.stdin.buffer)
+    notice = job.resume_notice()
+    if notice and not quiet:
+        print(notice, file=sys.stderr)
+    loaded = load_models(job.plan, settings.choice, quiet=quiet, verbose=verbose)
+    show = not (quiet or verbose) and sys.stderr.isatty()
     try:
-        prepare = _chat_renderer(loaded.model_tgt, template, entries, quiet=quiet)
-        summary = _run(loaded, the_plan, choice, entries, previous, out_path, parallel, quiet=quiet or verbose, prepare=prepare)
+        summary = batch_run.generate(
+            job, loaded, describe=error_message, progress=lambda n_items, with_drafting: _Progress(n_items, enabled=show, with_drafting=with_drafting),
+            notice=(lambda text: None) if quiet else (lambda text: print(text, file=sys.stderr)),
+        )  # fmt: skip
     finally:
         loaded.close()
 
-    with_drafting = the_plan.mode != DraftMode.TARGET_ONLY
     if not quiet:
-        print(summary.line(with_drafting=with_drafting), file=sys.stderr)
+        print(summary.line(with_drafting=job.plan.mode != DraftMode.TARGET_ONLY), file=sys.stderr)
     if summary_path is not None:
-        settings = {"target": str(the_plan.target_path), "draft": the_plan.draft_label, "n_draft": the_plan.draft_length.json_value,
-                    "parallel": parallel, "input": input_path, "output": output}  # fmt: skip
-        replace_text(summary_path, _json({**summary.to_dict(), **settings}))
+        run_settings = {"target": str(job.plan.target_path), "draft": job.plan.draft_label, "n_draft": job.plan.draft_length.json_value,
+                        "parallel": settings.parallel, "input": settings.input_path, "output": output}  # fmt: skip
+        replace_text(summary_path, _json({**summary.to_dict(), **run_settings}))
     if summary.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_SOME_FAILED if summary.failed else 0
@@ -168,139 +158,6 @@ def _lock_output(path: Path) -> ExclusiveLock:
     if not lock.supported:
         print(f"specli: warning: the file system of {path} has no file locks; nothing stops a second batch from writing it", file=sys.stderr)
     return lock
-
-
-def _refuse_other_settings(path: Path, previous: batch.Previous, entries: list[batch.Entry], the_plan) -> None:
-    """UsageError when the results already in the output were made with other settings than
-    this run's (target, drafter, draft length, sampling): resuming would mix them silently."""
-    run_settings = {"target": str(the_plan.target_path), "draft": the_plan.draft_label, "n_draft": the_plan.draft_length.json_value}
-    differences = batch.settings_differences(previous, entries, run_settings, lambda item: sampling_json(item.sampling))
-    if differences:
-        shown = "; ".join(differences[:6]) + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
-        raise UsageError(
-            f"{path} holds results made with other settings: {shown}; resuming would mix them in one file: "
-            "pass --force to resume anyway, --overwrite to start over, or pick another -o"
-        )
-
-
-def _resume_notice(path: Path, previous: batch.Previous, entries: list[batch.Entry]) -> str:
-    keys = {batch.id_key(e.id) for e in entries}
-    done = len(previous.done & keys)
-    text = f"resuming {path}: {done} of {len(entries)} items already done"
-    if previous.n_errors:
-        text += f"; {previous.n_errors} error record(s) from the earlier run are retried"
-    if previous.n_partial:
-        text += "; an incomplete last line was dropped"
-    return text + " (--overwrite starts over)"
-
-
-def _run(loaded, the_plan, choice, entries, previous, out_path, parallel, *, quiet: bool, prepare=None) -> batch.Summary:
-    """Generate every item not yet done, writing each record as it completes."""
-    from specli.decoding.engine import DecoderPool
-    from specli.decoding.parallel import ItemDone, ParallelRunner, run_sequential
-
-    done_before = previous.done if previous is not None else set()
-    summary = batch.Summary(items=len(entries))
-    todo = []
-    for entry in entries:
-        if batch.is_done(entry, done_before):
-            summary.skipped += 1
-        else:
-            todo.append(entry)
-
-    if out_path is None:
-        stream = sys.stdout
-        writer = batch.RecordWriter(stream, entries, in_order=True, skip=done_before)
-    else:
-        if previous is not None and previous.needs_rewrite:
-            write_atomically(out_path, previous.kept)  # drop what is retried, then append
-        stream = out_path.open("a" if previous is not None else "w", encoding="utf-8")
-        writer = batch.RecordWriter(stream, entries, in_order=False, skip=done_before)
-
-    runner = None
-    if parallel > 1:
-        runner = ParallelRunner(
-            loaded.model_tgt, the_plan.mode, loaded.decoder.draft_length, parallel, n_threads=choice.threads,
-            model_dft=loaded.model_dft, describe=error_message, release_models=True,
-        )  # fmt: skip
-        events = runner.run(_items_writing_errors(todo, writer, summary, prepare))
-    else:
-        pool = DecoderPool(loaded.model_tgt, loaded.decoder.drafter, loaded.decoder.draft_length)
-        events = run_sequential(pool, _items_writing_errors(todo, writer, summary, prepare), describe=error_message)
-
-    n_items = sum(isinstance(entry, batch.Item) for entry in todo)
-    progress = _Progress(n_items, enabled=not quiet and sys.stderr.isatty(), with_drafting=the_plan.mode != DraftMode.TARGET_ONLY)
-    t0 = time.perf_counter()
-    try:
-        with progress:
-            for event in events:
-                if isinstance(event, ItemDone):
-                    if event.error is not None:
-                        writer.write(batch.LineError(event.item.line, event.item.id, event.error).record())
-                        summary.failed += 1
-                    else:
-                        gen = event.generation
-                        item_plan = _plan_for(the_plan, event.item)
-                        writer.write(batch.result_record(event.item, result_json(gen, item_plan)))
-                        summary.done += 1
-                        summary.stats.add(gen.stats)
-                    progress.item_done()
-                else:
-                    progress.step(event)
-    except KeyboardInterrupt:
-        summary.interrupted = True  # the item(s) in progress are not written: a re-run does them
-    finally:
-        summary.wall_s = time.perf_counter() - t0
-        writer.release_held()
-        if runner is not None:
-            runner.close()
-        if out_path is not None:
-            stream.close()
-            batch.sort_output(out_path, entries)
-    return summary
-
-
-def _chat_renderer(model_tgt, template, entries, *, quiet: bool):
-    """What readies a chat item (its conversation rendered with the chat template `chat` and
-    `run --chat` pick, and tokenized), or None when no item is one. A model template that
-    cannot be used at all is a UsageError here, before any item runs."""
-    if not any(isinstance(e, batch.Item) and e.messages is not None for e in entries):
-        return None
-    from specli.session.chat import choose_formatter, encode_conversation
-
-    formatter, notice = choose_formatter(model_tgt, template)
-    if notice and not quiet:
-        print(notice, file=sys.stderr)
-
-    def prepare(item: batch.Item) -> None:
-        if item.messages is not None:
-            item.prompt_ids = encode_conversation(model_tgt, formatter, None, item.messages)
-            item.stop = (*formatter.stop, *item.stop)  # plain turns end at the next "User:" line, as in chat
-
-    return prepare
-
-
-def _items_writing_errors(entries, writer, summary, prepare=None):
-    """The items to generate, in order; bad lines, and chat items whose conversation the
-    template refuses, are written as error records on the way."""
-    for entry in entries:
-        if prepare is not None and isinstance(entry, batch.Item):
-            try:
-                prepare(entry)
-            except SpecliError as err:
-                entry = batch.LineError(entry.line, entry.id, error_message(err))
-        if isinstance(entry, batch.LineError):
-            writer.write(entry.record())
-            summary.failed += 1
-        else:
-            yield entry
-
-
-def _plan_for(the_plan, item):
-    """The plan as this item ran it (its sampling may override the command line's)."""
-    import dataclasses
-
-    return the_plan if item.sampling == the_plan.sampling else dataclasses.replace(the_plan, sampling=item.sampling)
 
 
 class _Progress:

@@ -1,6 +1,6 @@
 """`specli run`: one prompt, its continuation streamed to stdout, live stats on stderr.
 
-Also what `batch` shares with it: a record is `run --json`'s object (result_json).
+Also what `batch` shares with it: a record is `run --json`'s object (session.batch.generation_json).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from specli.cli.options import (
     Drafting, Memory, Models, Quiet, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models, max_tokens_option,
     model_choice, stop_strings,
 )  # fmt: skip
-from specli.decoding.sampling import sampling_json
 from specli.errors import UsageError
 from specli.files import read_limited, strip_bom
+from specli.session import batch
 from specli.session.loading import plan
 from specli.modes import DraftMode
 
@@ -83,7 +83,7 @@ def run(
             show_accept=show_accept, with_drafting=with_drafting,
         )
         if json_out:
-            print(json.dumps(result_json(gen, the_plan), ensure_ascii=False))
+            print(json.dumps(batch.generation_json(gen, the_plan), ensure_ascii=False))
             sys.stdout.flush()
         if not quiet:
             print(summary_line(gen.stats, stop_reason=gen.stop_reason, with_drafting=with_drafting, verbose=verbose,
@@ -132,19 +132,3 @@ def read_prompt(prompt: Optional[str]) -> str:
     if not prompt.strip():
         raise UsageError("the prompt is empty; give some text for the model to continue")
     return prompt
-
-
-def result_json(gen, the_plan) -> dict:
-    """`run --json`'s object (and a batch record's fields)."""
-    return {
-        "text": gen.text,
-        "token_ids": gen.token_ids,
-        "n_tokens": len(gen.token_ids),
-        "stop_reason": gen.stop_reason,
-        "target": str(the_plan.target_path),
-        "draft": the_plan.draft_label,
-        "n_draft": the_plan.draft_length.json_value,  # a number or "auto" (0: target-only)
-        "sampling": sampling_json(the_plan.sampling),
-        "seed": gen.seed,
-        "stats": gen.stats.to_dict(),
-    }

@@ -421,6 +421,11 @@ class SequenceStep:
         # A pass emits up to k+1 tokens; keep them within the budget and the context, and the
         # pass [tail, last, d1..dk] within max_pass (one llama.cpp batch: a small -c makes it small).
         k = min(self.decoder.n_draft, remaining - 1, room - 1, self.max_pass - 1 - self._n_tail)
+        if self._n_tail and self.decoder.adaptive:
+            # -n auto's first step drafts nothing when the pass also finishes the prompt: each
+            # draft there adds a row of logits to the pass the first token waits for (on this
+            # CPU about the one-token pass it would save), and auto has measured nothing yet.
+            k = 0
         t_draft = time.perf_counter()
         self._gap_s = None if self._t_previous is None else t_draft - self._t_previous
         return k, t_draft

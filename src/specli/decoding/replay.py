@@ -181,9 +181,11 @@ def replay(
     drafter.begin(list(context))
     out = Replay()
     pos = prompt_len
-    first = True
+    step = 0
     while pos < end:
         k = min(n_max, end - pos - 1)
+        if step == 0 and policy is not None:
+            k = 0  # (as the engine: auto's first step, the pass that finishes the prompt, drafts nothing)
         proposal = drafter.propose(context, k, judge) if k > 0 else None
         draft = list(proposal.tokens) if proposal is not None else []
         assert len(draft) <= k
@@ -191,14 +193,14 @@ def replay(
         emitted = text[pos : pos + n_acc + 1]
         if draft:
             drafter.update(len(draft), n_acc)
-        if policy is not None:
+        if policy is not None and step > 0:  # (the first pass's times price the prompt: the engine tells only its verdict)
             policy.observe(StepReport(
                 source=proposal.source if proposal is not None else None, n_drafted=len(draft), n_accepted=n_acc,
                 confidences=None, draft_s=0.0, pass_tokens=len(draft) + 1, pass_s=costs(len(draft) + 1),
-                context_len=len(context), gap_s=None if first else 0.0,
+                context_len=len(context), gap_s=None if step == 1 else 0.0,
                 cpu_s=None if utilization is None else utilization * costs(len(draft) + 1),
             ))  # fmt: skip
-        first = False
+        step += 1
         out.widths.append(len(draft) + 1)
         out.accepted.append(n_acc)
         out.n_tokens += len(emitted)

@@ -25,7 +25,7 @@ from typing import IO, Optional, Union
 from specli.errors import UsageError
 from specli.files import open_to_read, read_limited, strip_bom, write_atomically
 from specli.decoding.engine import check_stop
-from specli.decoding.sampling import JSON_FIELDS, SamplingParams
+from specli.decoding.sampling import JSON_FIELDS, SamplingParams, sampling_json
 from specli.errors import SettingError
 from specli.decoding.stats import Stats
 
@@ -266,6 +266,22 @@ def _json_type(value: object) -> str:
 
 
 # --- output -----------------------------------------------------------------------------------
+def generation_json(gen, the_plan) -> dict:
+    """`run --json`'s object (and a batch record's fields)."""
+    return {
+        "text": gen.text,
+        "token_ids": gen.token_ids,
+        "n_tokens": len(gen.token_ids),
+        "stop_reason": gen.stop_reason,
+        "target": str(the_plan.target_path),
+        "draft": the_plan.draft_label,
+        "n_draft": the_plan.draft_length.json_value,  # a number or "auto" (0: target-only)
+        "sampling": sampling_json(the_plan.sampling),
+        "seed": gen.seed,
+        "stats": gen.stats.to_dict(),
+    }
+
+
 def result_record(item: Item, result: dict) -> dict:
     """The output line of a finished item: its id and line, `run --json`'s object, metadata."""
     return {"id": item.id, "line": item.line, **result, **item.echo}
