@@ -19,7 +19,7 @@ import typer
 
 from specli.errors import EXIT_INTERRUPTED
 from specli.cli.options import (
-    Drafting, Memory, Models, Quiet, Sampling, Stop, Threads, Verbose, error_message, flatten, load_models, max_tokens_option,
+    DraftMemory, Drafting, Memory, Models, Quiet, Sampling, Stop, Threads, Verbose, error_message, flatten, load_models, max_tokens_option,
     check_parallel, model_choice, stop_strings,
 )  # fmt: skip
 from specli.cli.run import ChatFlag, System, Template
@@ -49,6 +49,7 @@ def batch_command(
     max_tokens: int = max_tokens_option("Generated tokens at most per item (an item's max_tokens overrides it)."),
     stop: Stop = None,
     memory: Memory,
+    draft_memory: DraftMemory = "off",
     threads: Threads = None,
     quiet: Quiet = False,
     verbose: Verbose = False,
@@ -60,7 +61,7 @@ def batch_command(
 ) -> int:
     """Generate for every prompt of INPUT with the models loaded once; one JSON record per line
     (in input order), a summary on stderr. Re-running with the same output resumes."""
-    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
+    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
     stops = stop_strings(stop)
     check_parallel(parallel, memory.n_ctx)
     out_path = _check_output(output, input_path, resume=resume, overwrite=overwrite)
@@ -81,10 +82,7 @@ def batch_command(
 def _batch(settings: batch_run.BatchSettings, *, output: str, summary_path: Optional[Path], quiet: bool, verbose: bool) -> int:
     """The run itself, with the output (if a file) locked; the summary on stderr (and in
     --summary's file)."""
-    from specli.llama.native import init_backend
-
-    init_backend(verbose=verbose)
-    job = batch_run.prepare(settings, sys.stdin.buffer)
+    job = batch_run.prepare(settings, sys.stdin.buffer, verbose=verbose)
     notice = job.resume_notice()
     if notice and not quiet:
         print(notice, file=sys.stderr)

@@ -33,7 +33,7 @@ from specli.decoding.sampling import SamplingParams
 from specli.errors import SettingError, SpecliError, UsageError
 from specli.llama.context import MAX_CTX, MIN_CTX
 from specli.modes import MAX_DRAFT, DraftLength
-from specli.session.loading import Loaded, ModelChoice, Plan, load
+from specli.session.loading import MEMORY_BOUND, MEMORY_MODES, MEMORY_OFF, Loaded, ModelChoice, Plan, load
 
 # The defaults are the core's: ModelChoice's (context, offload) and SamplingParams' (llama.cpp's).
 _CHOICE = ModelChoice()
@@ -159,6 +159,14 @@ Threads = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr except errors.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log and tracebacks.")]
 ShowAccept = Annotated[bool, typer.Option("--show-accept", help="On a terminal, colour text that came from accepted drafts.")]
+# batch's and serve's (run and chat end with their one generation: nothing to recall yet).
+DraftMemory = Annotated[typing.Literal[MEMORY_MODES], typer.Option(
+    "--memory", help=(
+        "Draft from memory too (with --lookup only): 'process' keeps every finished generation's prompt and output "
+        f"(the latest {MEMORY_BOUND:,} tokens, in memory, never on disk) and copies from them when the text so far has no match; "
+        "'off' (default) drafts from the text so far alone."
+    ),
+)]  # fmt: skip
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", metavar="TEXT", help="End the output where this text appears (repeatable); the text itself is not output.")]
 
 
@@ -230,9 +238,10 @@ def check_threads(threads: int | None) -> None:
 
 def model_choice(
     models: Models, memory: Memory, sampling: Sampling, *, threads: int | None, seed: int | None,
-    drafting: Drafting | None = None,
+    drafting: Drafting | None = None, draft_memory: str = MEMORY_OFF,
 ) -> ModelChoice:  # fmt: skip
-    """Check the shared options (before any model loads) and bundle them for the core."""
+    """Check the shared options (before any model loads) and bundle them for the core
+    (draft_memory: --memory, where the command has it)."""
     drafting = drafting or Drafting()
     check_threads(threads)
     memory.check()
@@ -240,6 +249,7 @@ def model_choice(
         models.model, models.draft, models.lookup, drafting.target_only, drafting.n_draft,
         memory.n_ctx, memory.ngl, memory.draft_ngl, threads, sampling.params(seed),
         rpc=memory.rpc_endpoints(), tensor_split=memory.split(), draft_rpc=memory.draft_rpc, rpc_timeout=memory.rpc_timeout,
+        memory=draft_memory,
     )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from specli.cli.options import (
-    Drafting, Memory, Models, Quiet, Sampling, Threads, Verbose, check_parallel, error_message, flatten, load_models, model_choice,
+    DraftMemory, Drafting, Memory, Models, Quiet, Sampling, Threads, Verbose, check_parallel, error_message, flatten, load_models, model_choice,
 )  # fmt: skip
 from specli.errors import UsageError
 from specli.modes import DraftMode
@@ -38,6 +38,7 @@ def serve_command(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECLI_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (or set SPECLI_API_KEY)."),
     max_tokens: Optional[int] = typer.Option(None, "-n", "--n-predict", "--max-tokens", min=1, help="Generated tokens per request when it sets no max_tokens (default: until the context is full)."),
     memory: Memory,
+    draft_memory: DraftMemory = "off",
     threads: Threads = None,
     quiet: Quiet = False,
     verbose: Verbose = False,
@@ -47,7 +48,7 @@ def serve_command(
 ) -> int:
     """Serve the models over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
     /v1/models, /health), drafting as `run` does. Ctrl-C or SIGTERM stops it cleanly."""
-    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
+    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
     check_parallel(parallel, memory.n_ctx)
     if api_key is None and os.environ.get("SPECLI_API_KEY") is not None:
         api_key = os.environ["SPECLI_API_KEY"]  # (set but empty: the option parser drops it as unset)
@@ -86,6 +87,8 @@ def serve_command(
                     return
                 shown = f"[{bound_host}]" if ":" in bound_host else bound_host
                 drafting_text = "target only" if the_plan.mode == DraftMode.TARGET_ONLY else f"{the_plan.draft_label}, --draft-max {the_plan.draft_length}"
+                if the_plan.memory != "off":
+                    drafting_text += f", --memory {the_plan.memory}"
                 server_app.stderr_line(
                     f"specli serve: listening on http://{shown}:{bound_port} (OpenAI base URL http://{shown}:{bound_port}/v1; "
                     f"model '{settings.model_id}', {drafting_text}, --parallel {parallel}); Ctrl-C stops"

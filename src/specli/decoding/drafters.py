@@ -435,7 +435,8 @@ def make_drafter(mode: DraftMode | str, model_dft: LlamaModel | None = None) -> 
     """A new drafter for a drafting mode, or None for target-only. The modes that need a draft
     model (DraftMode.needs_draft_model) draft with `model_dft`: a loaded draft model, or one
     sequence of a multi-sequence context on its weights (a SequenceView). Every call makes a
-    drafter with its own state: one per sequence when several are decoded at once."""
+    drafter with its own state: one per sequence when several are decoded at once.
+    (memory_drafter.drafter_with_memory: the same, or a lookup drafter that copies from memory too.)"""
     try:
         mode = DraftMode(mode)
     except ValueError:

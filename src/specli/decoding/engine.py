@@ -33,6 +33,7 @@ from typing import Generator, Iterator, Sequence
 import numpy as np
 
 from specli.decoding.drafters import Drafter, Proposal, make_drafter
+from specli.decoding.memory_drafter import drafter_with_memory
 from specli.errors import SettingError, SpecliError, UsageError
 from specli.llama.context import MultiSequenceContext, SequenceView
 from specli.llama.model import LlamaModel, common_prefix_len, fill_cache
@@ -446,11 +447,20 @@ class SequenceStep:
         if self._proposal is not None and self._proposal.token_s is not None:
             self._proposal.token_s = token_s
 
-    def commit(self, rows: np.ndarray, pass_s: float, *, cpu_s: float | None = None, share: float = 1.0) -> Step:
+    @property
+    def pass_tail(self) -> int:
+        """Prompt tokens in the pending pass (the first step's: the prompt's end)."""
+        return self._pass_tail
+
+    def commit(
+        self, rows: np.ndarray, pass_s: float, *, cpu_s: float | None = None, share: float = 1.0, prompt_tokens: int = 0,
+    ) -> Step:  # fmt: skip
         """Book the pass over plan()'s tokens: `rows` are the target's logits for the last
         n_rows of them ([last, *draft]), pass_s the pass's wall seconds, cpu_s the CPU seconds
         the process used during it (None: not measured), share this sequence's part of a pass
-        shared with others (SharedPassCost), which the policy is charged. Returns the Step event."""
+        shared with others (SharedPassCost), which the policy is charged; prompt_tokens, the
+        prompt tokens the pass held (any sequence's: its times then price a prompt, and the
+        policy learns only the verdict). Returns the Step event."""
         t_commit = time.perf_counter()
         decoder, gen, context, proposal = self.decoder, self.gen, self.context, self._proposal
         assert proposal is not None, "commit() follows plan()"
@@ -469,7 +479,7 @@ class SequenceStep:
                 confidences=proposal.confidences, draft_s=self._draft_s, pass_tokens=len(draft) + 1,
                 pass_s=pass_s * share + verify_s, token_s=proposal.token_s, first_s=proposal.first_s,
                 context_len=len(context), gap_s=self._gap_s, cpu_s=None if cpu_s is None else cpu_s * share,
-                prompt_tokens=self._pass_tail,
+                prompt_tokens=max(prompt_tokens, self._pass_tail),
             ))  # fmt: skip
         # (not after the first step: what follows it includes one-off work, such as the
         # live status's first drawing, 1 ms on a terminal)
@@ -478,7 +488,13 @@ class SequenceStep:
         step = gen.record(verdict.tokens, verdict.n_accepted, len(draft), decoder.model_tgt.is_eog, proposal.source)
         context.extend(verdict.tokens)
         gen.stats.draft_s += self._draft_s
-        gen.stats.verify_s += pass_s + verify_s  # (a shared pass: its whole wall time)
+        if self._pass_tail:
+            # The pass that finished the prompt is the prompt's time (as llama.cpp counts it),
+            # although its first tokens came out of it; generation starts after it.
+            gen.stats.prompt_s += pass_s + verify_s
+            self._t_gen = time.perf_counter()
+        else:
+            gen.stats.verify_s += pass_s + verify_s  # (a shared pass: its whole wall time)
         gen.stats.generation_s = time.perf_counter() - self._t_gen
         return step
 
@@ -498,7 +514,12 @@ class ModelPasses:
         return {s: self.model.eval(tokens, logits=rows[s]) for s, tokens in requests.items()}
 
     def clear(self, s: int) -> None:
-        self.model.reset()
+        """After a failure: drop what the cache may hold beyond what is tracked (a failed or
+        interrupted decode), keeping the rest for the next prompt; if even that fails, empty it."""
+        try:
+            self.model.forget_untracked()
+        except SpecliError:
+            self.model.reset()
 
     def close(self) -> None:
         pass  # (the context is the model's own)
@@ -609,6 +630,7 @@ class StepLoop:
         self.draft_passes = draft_passes
         self.pass_costs = pass_costs
         self.sequences: dict[int, SequenceStep] = {}
+        self.last_pass_sequences = 0  # sequences in the latest target pass
 
     @classmethod
     def on_model(cls, model_tgt: LlamaModel, pool: DecoderPool) -> "StepLoop":
@@ -619,14 +641,15 @@ class StepLoop:
     def on_sequences(
         cls, model_tgt: LlamaModel, mode: DraftMode | str, n_draft: DraftLength | int | str, n_seq: int,
         *, n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
-        model_dft: LlamaModel | None = None, release_models: bool = False,
+        model_dft: LlamaModel | None = None, release_models: bool = False, memory=None,
     ) -> "StepLoop":  # fmt: skip
         """`n_seq` slots on a MultiSequenceContext of the target's weights, each with its own
         drafter for `mode`; the modes with a draft model (`model_dft`) draft through their own
         sequence of a second one on the draft model's weights, every slot's next draft token in
         one pass of it. release_models: free the models' own contexts (their KV caches) first,
         which the loop never evaluates through; the commands do, tests comparing with them do not.
-        `n_draft`: every slot's draft length (as SpeculativeDecoder's)."""
+        `n_draft`: every slot's draft length (as SpeculativeDecoder's); `memory`: a TokenMemory
+        every slot's lookup drafter also copies from (drafter_with_memory), one for all of them."""
         mode = DraftMode(mode)
         length = draft_length_for(mode != DraftMode.TARGET_ONLY, n_draft)
         if mode.needs_draft_model and model_dft is None:
@@ -643,7 +666,7 @@ class StepLoop:
             )  # fmt: skip
             drafters = [make_drafter(mode, SequenceView(draft_passes, s, model_dft)) for s in range(n_seq)]
         else:
-            drafters = [make_drafter(mode) for _ in range(n_seq)]
+            drafters = [drafter_with_memory(mode, memory=memory) for _ in range(n_seq)]
         n_batch = max(512, n_seq * (length.longest + 1))
         passes = MultiSequenceContext(
             model_tgt, n_seq=n_seq, n_ctx_per_seq=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
@@ -670,7 +693,7 @@ class StepLoop:
             prompt_ids, max_tokens=max_tokens, cache=self.caches[s], max_pass=self.max_pass, stop=stop, seed=seed,
         )  # fmt: skip
         if fresh:
-            self.clear(s)
+            self.caches[s].truncate(0)  # (the draft model's cache keeps what the next prompt may reuse)
         self.sequences[s] = seq
         return seq
 
@@ -683,10 +706,21 @@ class StepLoop:
         seq = self.sequences.pop(s, None)
         return None if seq is None else seq.gen
 
+    def remember(self, s: int, tokens: Sequence[int]) -> None:
+        """A generation of slot s has finished: its prompt + output (`tokens`) go to slot s's
+        drafter, if it keeps what it is shown (a MemoryDrafter adds them to its memory, which
+        every slot's drafter may share); for other drafters nothing happens. The front ends call
+        it for a generation that completed, never for a failed or cancelled one."""
+        remember = getattr(self.pools[s].drafter, "remember", None)
+        if remember is not None:
+            remember(tokens)
+
     def clear(self, s: int) -> None:
-        """Empty slot s's caches (the target's and the draft model's): what a failed pass left
-        there is unknown. If even that fails, a later prompt finds the cache in an unknown state
-        and is refused by llama.cpp; that generation's error then says so."""
+        """After a failure (what a failed pass left in slot s's caches is unknown): several
+        sequences' caches empty the slot's sequences, the target's and the draft model's; the
+        model's own context drops what it holds beyond what is tracked. If even that fails, a
+        later prompt finds the cache in an unknown state and is refused by llama.cpp; that
+        generation's error then says so."""
         self.sequences.pop(s, None)
         for passes in (self.passes, self.draft_passes):
             if passes is not None:
@@ -715,13 +749,16 @@ class StepLoop:
         except Exception as err:
             return {**results, **{s: err for s in requests}}
         cpu_s, pass_s = time.process_time() - cpu_pass, time.perf_counter() - t_pass
-        n_tokens = {s: len(tokens) for s, tokens in requests.items()}
+        self.last_pass_sequences = len(requests)
+        # A prompt's end in the pass (a new sequence's first step) makes its time no drafting cost.
+        prompt_tokens = sum(seqs[s].pass_tail for s in requests)
+        n_tokens = {s: len(tokens) - seqs[s].pass_tail for s, tokens in requests.items()}
         shares = (self.pass_costs or SharedPassCost()).shares(n_tokens)  # (a new one splits by tokens)
-        if self.pass_costs is not None:
+        if self.pass_costs is not None and not prompt_tokens:
             self.pass_costs.add(sum(n_tokens.values()), pass_s)
         for s in requests:
             try:
-                results[s] = seqs[s].commit(rows[s], pass_s, cpu_s=cpu_s, share=shares[s])
+                results[s] = seqs[s].commit(rows[s], pass_s, cpu_s=cpu_s, share=shares[s], prompt_tokens=prompt_tokens)
             except Exception as err:
                 results[s] = err
         return results

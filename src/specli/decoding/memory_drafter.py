@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specli.decoding.drafters import Proposal, PromptLookupDrafter
+from specli.decoding.drafters import Drafter, Proposal, PromptLookupDrafter, make_drafter
 from specli.decoding.memory import Candidate, TokenMemory
 from specli.decoding.policy import FIXED, DraftJudge
 from specli.decoding.sampling import GREEDY, SamplingParams
@@ -157,3 +157,15 @@ class MemoryDrafter:
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
         self.lookup.update(n_drafted, n_accepted)  # (the next context shows lookup what happened)
+
+
+def drafter_with_memory(mode: DraftMode | str, model_dft=None, memory: TokenMemory | None = None) -> Drafter | None:
+    """make_drafter(mode, model_dft), or with `memory` a MemoryDrafter over it: a lookup drafter
+    that also copies from the memory, and whose `remember` adds a finished generation to it
+    (StepLoop.remember); several drafters may share one memory (`--memory process`: every slot's).
+    Memory drafting is lookup drafting: with another mode, ValueError."""
+    if memory is None:
+        return make_drafter(mode, model_dft)
+    if DraftMode(mode) is not DraftMode.LOOKUP:
+        raise ValueError(f"drafting from memory needs drafting mode {DraftMode.LOOKUP.value!r}, not {DraftMode(mode).value!r}")
+    return MemoryDrafter(memory)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
-from specli.decoding.engine import DecoderPool, Generation, StepLoop, Step
+from specli.decoding.engine import STOP_INTERRUPTED, DecoderPool, Generation, StepLoop, Step
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SpecliError
 from specli.llama.model import LlamaModel
@@ -76,12 +76,14 @@ class ParallelRunner:
     def __init__(
         self, model_tgt: LlamaModel, mode: DraftMode | str, n_draft: DraftLength | int | str, n_seq: int,
         *, n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
-        model_dft: LlamaModel | None = None, describe: Describe = str, release_models: bool = False,
+        model_dft: LlamaModel | None = None, describe: Describe = str, release_models: bool = False, memory=None,
     ):  # fmt: skip
+        """memory: a TokenMemory every slot's lookup drafter also copies from (StepLoop.on_sequences);
+        each item done is remembered in it."""
         self.describe = describe
         self.loop = StepLoop.on_sequences(
             model_tgt, mode, n_draft, n_seq, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
-            model_dft=model_dft, release_models=release_models,
+            model_dft=model_dft, release_models=release_models, memory=memory,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -98,10 +100,21 @@ class _Slot:
     item: GenerationRequest
 
 
+def release_done(loop: StepLoop, s: int) -> Generation:
+    """Take slot s's finished generation out of the loop; one that completed (not interrupted)
+    is remembered by the slot's drafter (StepLoop.remember: a memory drafter's memory), prompt
+    and output."""
+    gen = loop.release(s)
+    if gen.stop_reason != STOP_INTERRUPTED:
+        loop.remember(s, [*gen.prompt_ids, *gen.token_ids])
+    return gen
+
+
 def _feed(loop: StepLoop, items: Iterable[GenerationRequest], describe: Describe, *, fresh: bool) -> Iterator[Step | ItemDone]:
     """Batch's policy over the loop: each free slot takes the next item (its prompt in at
-    once), every busy slot steps; a finished item is reported and its slot refilled before the
-    next pass. fresh: each item starts from an empty cache."""
+    once), every busy slot steps; a finished item is reported (and remembered, `release_done`) and
+    its slot refilled before the next pass; a failed one is not remembered. fresh: each item
+    starts from an empty cache."""
     queue = iter(items)
     slots: list[_Slot | None] = [None] * loop.n_slots
     exhausted = False
@@ -128,7 +141,7 @@ def _feed(loop: StepLoop, items: Iterable[GenerationRequest], describe: Describe
         finished = False
         for s in active:
             if loop.sequences[s].ended():
-                yield ItemDone(slots[s].item, loop.release(s))
+                yield ItemDone(slots[s].item, release_done(loop, s))
                 slots[s] = None
                 finished = True
         if finished:
@@ -142,5 +155,5 @@ def _feed(loop: StepLoop, items: Iterable[GenerationRequest], describe: Describe
                 yield result
         for s in active:
             if slots[s] is not None and loop.sequences[s].gen.stop_reason is not None:
-                yield ItemDone(slots[s].item, loop.release(s))
+                yield ItemDone(slots[s].item, release_done(loop, s))
                 slots[s] = None

@@ -8,11 +8,11 @@
   pass that finishes the prompt, as llama-server's do); the prompt's other passes are not counted.
 - mean_tokens_per_pass = generated tokens / target passes (1.0 = no gain from drafting;
   equals 1 + accepted/passes when no step was cut short by a stop token).
-- tokens_per_s = generated tokens / generation time (prompt processing excluded).
-- prompt_s: time to put the prompt into the target's (and the draft model's) cache, but for the
-  prompt's end, which the first step's pass evaluates (its time is generation time); in `serve`
-  with several slots, from the first of its batches to the last, the other slots' passes between
-  them included.
+- tokens_per_s = generated tokens / generation time (prompt processing excluded, although the
+  first tokens come out of the prompt's last pass: as llama-server counts them).
+- prompt_s: time to put the prompt into the target's (and the draft model's) cache, the pass
+  that finishes it included; in `serve` with several slots, from the first of its batches to
+  the last, the other slots' passes between them included.
 - prompt_reused: prompt tokens already in the target's cache from an earlier generation (a chat's
   history), so not evaluated again; prompt_tokens - prompt_reused were evaluated.
 - draft_s: time spent proposing drafts; verify_s: time in target passes and verification.

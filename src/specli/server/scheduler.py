@@ -6,8 +6,9 @@ context, the very path `specli run` takes; else one sequence of a MultiSequenceC
 `batch --parallel`), with its own drafter and one SpeculativeDecoder per sampling setting. Each
 pass is the loop's step: every active slot plans its draft, one target pass evaluates them all,
 each slot commits its own verdict. What is the server's own: between passes it takes new jobs
-into free slots, puts long prompts in a batch at a time, and frees the slots of jobs whose
-client left.
+into free slots, puts long prompts in a batch at a time, frees the slots of jobs whose client
+left, and has a slot's drafter remember each job that completes there (StepLoop.remember: with
+`--memory process`, the prompts and outputs later jobs' drafts may copy from).
 
 A slot keeps its cache after its job ends, and a new job goes to the free slot whose cache
 shares the longest prefix with its prompt: a client that resends the conversation so far
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from specli.decoding.engine import DecoderPool, Generation, SequenceStep, StepLoop
+from specli.decoding.engine import STOP_INTERRUPTED, DecoderPool, Generation, SequenceStep, StepLoop
 from specli.decoding.parallel import item_error
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SpecliError
@@ -111,7 +112,7 @@ class Scheduler:
         else:
             self.loop = StepLoop.on_sequences(
                 self.model_tgt, self.mode, self.draft_length, n_seq, n_threads=n_threads, model_dft=loaded.model_dft,
-                kv_type=kv_type, flash_attn=flash_attn, release_models=release_models,
+                kv_type=kv_type, flash_attn=flash_attn, release_models=release_models, memory=loaded.memory,
             )  # fmt: skip
         self.slots = [_ServeSlot(cache) for cache in self.loop.caches]
         self.prefill_batch = prefill_batch or self.loop.passes.n_batch
@@ -297,6 +298,8 @@ class Scheduler:
             self.counts["completed"] += 1
             self.counts["tokens"] += len(gen.token_ids)
         _emit(job, Done(gen, gen.text[slot.sent :], s))
+        if gen.stop_reason != STOP_INTERRUPTED:  # (a completed job; not one cut short by a shutdown)
+            self.loop.remember(s, [*gen.prompt_ids, *gen.token_ids])  # (after the answer: it waits for nothing)
 
     def _pass(self, active: list[int]) -> None:
         """One step of every active slot (the loop's), then each slot's text out."""
@@ -316,7 +319,7 @@ class Scheduler:
         if n_stepped:
             with self._cond:
                 self.counts["passes"] += 1
-                self.counts["most_sequences_in_a_pass"] = max(self.counts["most_sequences_in_a_pass"], n_stepped)
+                self.counts["most_sequences_in_a_pass"] = max(self.counts["most_sequences_in_a_pass"], self.loop.last_pass_sequences)
         for s, result in results.items():
             if isinstance(result, Exception):
                 self._fail(s, result)

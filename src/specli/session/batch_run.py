@@ -18,6 +18,7 @@ from specli.decoding.parallel import Describe, ItemDone, ParallelRunner, run_seq
 from specli.decoding.sampling import sampling_json
 from specli.errors import SpecliError, UsageError
 from specli.files import write_atomically
+from specli.llama.native import init_backend
 from specli.modes import DraftMode
 from specli.session import batch
 from specli.session.chat import check_template_name, choose_formatter, encode_conversation
@@ -73,9 +74,10 @@ class Progress(Protocol):
     def item_done(self) -> None: ...
 
 
-def prepare(settings: BatchSettings, stdin) -> PreparedBatch:
-    """Read and parse the input, read what the output holds, plan the models; UsageError when
-    the output's results were made with other settings (unless `force`). Nothing is loaded."""
+def prepare(settings: BatchSettings, stdin, *, verbose: bool = False) -> PreparedBatch:
+    """Read and parse the input, read what the output holds, start llama.cpp (`verbose`: its
+    log on stderr), plan the models; UsageError when the output's results were made with other
+    settings (unless `force`). Nothing is loaded."""
     lines = batch.read_input(settings.input_path, stdin)
     fmt = batch.detect_format(settings.input_path, lines, settings.input_format)
     use_chat = settings.chat or settings.system is not None or settings.template is not None
@@ -86,6 +88,7 @@ def prepare(settings: BatchSettings, stdin) -> PreparedBatch:
     )  # fmt: skip
     out_path = settings.out_path
     previous = batch.read_previous(out_path) if out_path is not None and out_path.exists() and not settings.overwrite else None
+    init_backend(verbose=verbose)
     the_plan = plan(settings.choice)
     if previous is not None and not settings.force:
         _refuse_other_settings(out_path, previous, entries, the_plan)
@@ -127,7 +130,7 @@ def generate(
     if settings.parallel > 1:
         runner = ParallelRunner(
             loaded.model_tgt, the_plan.mode, loaded.decoder.draft_length, settings.parallel, n_threads=settings.choice.threads,
-            model_dft=loaded.model_dft, describe=describe, release_models=True,
+            model_dft=loaded.model_dft, describe=describe, release_models=True, memory=loaded.memory,
         )  # fmt: skip
         events: Iterator = runner.run(items)
     else:

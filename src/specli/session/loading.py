@@ -16,8 +16,9 @@ from specli import __version__
 
 from specli.decoding.policy import store as policy_store
 from specli.llama.compat import check_compatible
-from specli.decoding.drafters import make_drafter
 from specli.decoding.engine import SpeculativeDecoder, draft_length_for
+from specli.decoding.memory import TokenMemory
+from specli.decoding.memory_drafter import drafter_with_memory
 from specli.errors import IncompatibleDraftError, SpecliError, UsageError
 from specli.files import write_atomically
 from specli.llama.context import validate_ctx
@@ -27,6 +28,10 @@ from specli.modes import DraftLength, DraftMode
 from specli.models.registry import load_effective_registry, resolve_draft_arg, resolve_model_arg, resolve_source
 from specli.decoding.sampling import GREEDY, SamplingParams
 from specli.llama.rpc import RPC_TIMEOUT_S
+
+MEMORY_OFF, MEMORY_PROCESS = "off", "process"
+MEMORY_MODES = (MEMORY_OFF, MEMORY_PROCESS)
+MEMORY_BOUND = 1_000_000  # tokens --memory process keeps at most (the oldest generations go first)
 
 
 @dataclass
@@ -50,6 +55,9 @@ class ModelChoice:
     tensor_split: tuple[float, ...] | None = None
     draft_rpc: bool = False
     rpc_timeout: float = RPC_TIMEOUT_S  # seconds a server gets to answer the handshake, and a pass
+    # Drafting from memory (MEMORY_MODES): "off", or "process": one TokenMemory for the process
+    # (Loaded.memory), every finished generation's prompt and output in it; lookup drafting only.
+    memory: str = MEMORY_OFF
 
 
 @dataclass
@@ -61,6 +69,7 @@ class Plan:
     mode: DraftMode
     draft_length: DraftLength  # a fixed length or auto; off for target-only
     sampling: SamplingParams = GREEDY
+    memory: str = MEMORY_OFF  # ModelChoice.memory, checked against the mode
     # One line each for stderr, found in the GGUF headers before loading (see check_headers).
     warnings: list[str] = field(default_factory=list)
 
@@ -85,6 +94,9 @@ class Loaded:
     # A saved file that was ignored: one line for stderr, and why (for --verbose).
     policy_notice: str | None = None
     policy_problem: str | None = None
+    # With --memory process: the process's TokenMemory, shared by every drafter made for it
+    # (the decoder's, and each slot's of batch/serve --parallel: drafter_with_memory).
+    memory: TokenMemory | None = None
 
     def close(self) -> None:
         if self.decoder.policy is not None and self.policy_path is not None:
@@ -156,6 +168,10 @@ def plan(choice: ModelChoice) -> Plan:
     """Resolve -m/-d/--lookup/--target-only into files and a mode. Raises UsageError."""
     if choice.target_only and (choice.draft or choice.lookup):
         raise UsageError("--target-only cannot be combined with -d/--draft or --lookup; pick one")
+    if choice.memory not in MEMORY_MODES:
+        raise UsageError(f"--memory must be one of {', '.join(MEMORY_MODES)}, got {choice.memory!r}")
+    if choice.memory != MEMORY_OFF and (choice.target_only or choice.draft):  # (before any file is resolved, or downloaded)
+        _refuse_memory(choice, "--target-only" if choice.target_only else "-d/--draft")
     # Kept although the CLI checks -c too: a library caller's n_ctx of 0 would give the model's
     # whole training context, and one past MAX_CTX would wrap around inside llama.cpp.
     validate_ctx(choice.n_ctx)
@@ -191,9 +207,18 @@ def plan(choice: ModelChoice) -> Plan:
     # the CLI refuses it earlier. Target-only drafts nothing, whatever was asked.
     asked = DraftLength.auto() if choice.draft_length is None else choice.draft_length
     draft_length = draft_length_for(mode != DraftMode.TARGET_ONLY, asked)
-    p = Plan(target_path, draft_path, mode, draft_length, choice.sampling)
+    if choice.memory != MEMORY_OFF and mode != DraftMode.LOOKUP:  # (a pair's own draft model)
+        _refuse_memory(choice, "a draft model (the model's pair drafts with one)")
+    p = Plan(target_path, draft_path, mode, draft_length, choice.sampling, memory=choice.memory)
     p.warnings = check_headers(p, choice.n_ctx)
     return p
+
+
+def _refuse_memory(choice: ModelChoice, drafting: str) -> None:
+    raise UsageError(
+        f"--memory {choice.memory} drafts with prompt lookup only, not with {drafting}: "
+        "pass --lookup and no -d/--draft or --target-only, or --memory off"
+    )
 
 
 def check_headers(p: Plan, n_ctx: int) -> list[str]:
@@ -256,8 +281,9 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
                 raise UsageError(f"{p.draft_path.name} is a recurrent or hybrid model; use a transformer draft model")
             if p.draft_path.resolve() != p.target_path.resolve():
                 check_compatible(model_tgt.vocab_info(), model_dft.vocab_info(), model_tgt.token_text, model_dft.token_text)
-        decoder = SpeculativeDecoder(model_tgt, make_drafter(p.mode, model_dft), p.draft_length, p.sampling)
-        loaded = Loaded(p, model_tgt, model_dft, decoder)
+        memory = TokenMemory(max_tokens=MEMORY_BOUND) if p.memory == MEMORY_PROCESS else None
+        decoder = SpeculativeDecoder(model_tgt, drafter_with_memory(p.mode, model_dft, memory), p.draft_length, p.sampling)
+        loaded = Loaded(p, model_tgt, model_dft, decoder, memory=memory)
         if decoder.adaptive:
             loaded.policy_key = policy_key(p, choice)
             loaded.policy_path = policy_state_path(loaded.policy_key)
