@@ -93,15 +93,25 @@ def write_atomically(path: str | os.PathLike, lines: Iterable[str], *, mode: int
             for line in lines:
                 handle.write(line + "\n")
         return path
-    if mode is None:
-        mode = _mode_of(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    data = "".join(line + "\n" for line in lines).encode("utf-8")
+    _replace_with(path, data, _mode_of(path) if mode is None else mode)
+    return path
+
+
+def write_bytes_atomically(path: str | os.PathLike, data: bytes, *, mode: int = 0o600) -> None:
+    """Replace the regular file `path` with `data` (a crash leaves the old file or the new one),
+    the new file created with `mode` (default 0600: nobody else may read it)."""
+    _replace_with(Path(path), data, mode)
+
+
+def _replace_with(path: Path, data: bytes, mode: int) -> None:
+    """A temporary file beside `path` with `data` and `mode`, synced, renamed over `path`."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # (mkstemp: mode 0600)
     try:
         if hasattr(os, "fchmod"):  # not on Windows
             os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for line in lines:
-                handle.write(line + "\n")
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -109,7 +119,6 @@ def write_atomically(path: str | os.PathLike, lines: Iterable[str], *, mode: int
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return path
 
 
 def check_writable(path: str | os.PathLike, what: str, *, folder_too: bool = False) -> None:

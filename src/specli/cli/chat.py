@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from specli.cli.options import (
-    Drafting, Memory, Models, Quiet, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models, max_tokens_option,
+    ChatMemory, Drafting, Memory, Models, Quiet, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models, max_tokens_option,
     model_choice, stop_strings,
 )  # fmt: skip
 from specli.session.loading import plan
@@ -24,6 +24,7 @@ def chat(
     drafting: Drafting,
     max_tokens: int = max_tokens_option("Generated tokens at most per reply."),
     stop: Stop = None,
+    draft_memory: ChatMemory = "off",
     memory: Memory,
     threads: Threads = None,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt for the conversation."),
@@ -39,7 +40,7 @@ def chat(
     from specli.llama.native import init_backend
     from specli.session.chat import ChatOptions, ChatSession, LineReader, check_template_name, choose_formatter
 
-    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
+    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
     stops = stop_strings(stop)
     reader = LineReader(sys.stdin, sys.stdout, sys.stderr)  # a bad SPECLI_MAX_INPUT_BYTES: before the load
     init_backend(verbose=verbose)

@@ -258,7 +258,19 @@ def _ago(seconds: float) -> str:
 
 
 def _print_cache(rows: list[dict], now: float) -> None:
+    memories = [row for row in rows if row.get("kind") == "token-memory"]
+    rows = [row for row in rows if row.get("kind") != "token-memory"]
     print(f"{cache_dir()}: {len(rows)} file(s) of --draft-max auto measurements")
+    if memories:
+        print(f"{len(memories)} token memory file(s) of --memory persist")
+    for row in memories:
+        print()
+        if "ignored" in row:
+            print(f"{row['file']}\n  ignored: {row['ignored']} (runs neither use nor save it; `specli cache --clear` removes it)")
+            continue
+        print(f"token memory of tokenizer {row['fingerprint']}: saved {_ago(row['age_s'])}")
+        print(f"  {row['file']}")
+        print(f"  {row['bytes']:,} bytes, {row['tokens']:,} tokens in {row['documents']:,} document(s)")
     for row in rows:
         print()
         if "ignored" in row:
@@ -290,17 +302,18 @@ def _print_cache(rows: list[dict], now: float) -> None:
 
 @commands.command("cache")
 def cache_cmd(
-    clear: bool = typer.Option(False, "--clear", help="Forget every saved measurement (the next runs start fresh)."),
+    clear: bool = typer.Option(False, "--clear", help="Forget every saved measurement and token memory (the next runs start fresh)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON array instead of text."),
 ) -> int:
     """Show what `--draft-max auto` has learnt per target and drafter (pass costs, acceptance, when and
-    from how many samples), or forget it with --clear."""
+    from how many samples) and the token memories of `--memory persist`, or forget both with --clear."""
     if clear:
-        folder, removed = clear_cache()
-        print(f"specli: removed {removed} file(s) of --draft-max auto measurements from {folder}", file=sys.stderr)
+        folder, removed, memories = clear_cache()
+        print(f"specli: removed {removed} file(s) of --draft-max auto measurements and {memories} token memory file(s) from {folder}",
+              file=sys.stderr)  # fmt: skip
         return 0
     now = time.time()
-    rows = cache_rows()
+    rows = cache_rows(now)
     if json_out:
         print(json.dumps(rows, ensure_ascii=False))
     else:

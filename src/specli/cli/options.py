@@ -33,7 +33,8 @@ from specli.decoding.sampling import SamplingParams
 from specli.errors import SettingError, SpecliError, UsageError
 from specli.llama.context import MAX_CTX, MIN_CTX
 from specli.modes import MAX_DRAFT, DraftLength
-from specli.session.loading import MEMORY_BOUND, MEMORY_MODES, MEMORY_OFF, Loaded, ModelChoice, Plan, load
+from specli.session.memory_store import MAX_BYTES
+from specli.session.loading import MEMORY_BOUND, MEMORY_OFF, MEMORY_PERSIST, MEMORY_PROCESS, Loaded, ModelChoice, Plan, load
 
 # The defaults are the core's: ModelChoice's (context, offload) and SamplingParams' (llama.cpp's).
 _CHOICE = ModelChoice()
@@ -159,13 +160,26 @@ Threads = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr except errors.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log and tracebacks.")]
 ShowAccept = Annotated[bool, typer.Option("--show-accept", help="On a terminal, colour text that came from accepted drafts.")]
-# batch's and serve's (run and chat end with their one generation: nothing to recall yet).
-DraftMemory = Annotated[typing.Literal[MEMORY_MODES], typer.Option(
+# batch's and serve's: one memory for the process ('persist' is run's and chat's).
+DraftMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PROCESS], typer.Option(
     "--memory", help=(
         "Draft from memory too (with --lookup only): 'process' keeps every finished generation's prompt and output "
         f"(the latest {MEMORY_BOUND:,} tokens, in memory, never on disk) and copies from them when the text so far has no match; "
         "'off' (default) drafts from the text so far alone."
     ),
+)]  # fmt: skip
+_PERSIST_HELP = (
+    "'persist' also keeps every finished generation's prompt and output between runs, in a file per tokenizer in the cache folder "
+    f"(mode 0600, at most {MAX_BYTES >> 20} MiB, oldest out first; `specli cache` shows it, `--clear` deletes it) and copies from it "
+    "when the text so far has no match. 'off' (default): it writes your text to disk, and on text with nothing to recall it gains nothing."
+)
+# run's: one generation, so only a memory kept between runs can help it.
+RunMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PERSIST], typer.Option(
+    "--memory", help="Draft from memory too (with --lookup only): " + _PERSIST_HELP,
+)]  # fmt: skip
+# chat's: 'process' recalls earlier turns of this chat only.
+ChatMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIST], typer.Option(
+    "--memory", help="Draft from memory too (with --lookup only): 'process' recalls this chat's earlier turns (in memory only); " + _PERSIST_HELP,
 )]  # fmt: skip
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", metavar="TEXT", help="End the output where this text appears (repeatable); the text itself is not output.")]
 
@@ -267,6 +281,8 @@ def load_models(the_plan: Plan, choice: ModelChoice, *, quiet: bool, verbose: bo
         names = the_plan.target_path.name + (f" and {the_plan.draft_path.name}" if the_plan.draft_path else "")
         with stderr_console().status(f"loading {names}"):
             loaded = load(the_plan, choice)
+    if loaded.memory_file is not None and loaded.memory_file.notice and not quiet:
+        print(loaded.memory_file.notice, file=sys.stderr)
     if loaded.policy_notice and not quiet:
         print(loaded.policy_notice + (f": {loaded.policy_problem}" if verbose else ""), file=sys.stderr)
     return loaded

@@ -13,10 +13,11 @@ import typer
 
 from specli.errors import EXIT_INTERRUPTED
 from specli.cli.options import (
-    Drafting, Memory, Models, Quiet, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models, max_tokens_option,
+    Drafting, Memory, Models, Quiet, RunMemory, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models, max_tokens_option,
     model_choice, stop_strings,
 )  # fmt: skip
 from specli.errors import UsageError
+from specli.decoding.engine import STOP_INTERRUPTED
 from specli.files import read_limited, strip_bom
 from specli.session import batch
 from specli.session.loading import plan
@@ -40,6 +41,7 @@ def run(
     drafting: Drafting,
     max_tokens: int = max_tokens_option("Stop after this many generated tokens."),
     stop: Stop = None,
+    draft_memory: RunMemory = "off",
     memory: Memory,
     threads: Threads = None,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming text."),
@@ -58,7 +60,7 @@ def run(
 
     if prompt_option is not None and prompt is not None:
         raise UsageError("the prompt is given twice (PROMPT and -p/--prompt); give one of them")
-    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting)
+    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
     stops = stop_strings(stop)
     text = read_prompt(prompt_option if prompt_option is not None else prompt)
     init_backend(verbose=verbose)
@@ -82,6 +84,10 @@ def run(
             gen, sys.stdout, sys.stderr, show_text=not json_out, live=not quiet and not verbose,
             show_accept=show_accept, with_drafting=with_drafting,
         )
+        if not interrupted and gen.stop_reason != STOP_INTERRUPTED:  # (an interrupted one is not remembered)
+            notice = loaded.remember([*gen.prompt_ids, *gen.token_ids])
+            if notice and not quiet:
+                print(notice, file=sys.stderr)
         if json_out:
             print(json.dumps(batch.generation_json(gen, the_plan), ensure_ascii=False))
             sys.stdout.flush()

@@ -11,6 +11,7 @@ from specli.decoding.policy import store as policy_store
 from specli.decoding.policy.acceptance import PositionalAcceptance
 from specli.errors import SpecliError
 from specli.session.loading import cache_dir, read_policy_file
+from specli.session.memory_store import MEMORY_FILES, MEMORY_TEMPORARY, memory_rows
 
 POLICY_FILES = "policy-*.json"
 TEMPORARY_FILES = ".policy-*.tmp"  # a save that did not finish
@@ -29,12 +30,18 @@ def cache_files(folder: Path, *patterns: str) -> list[Path]:
     return [folder / name for name in sorted(names) if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
 
 
-def cache_rows() -> list[dict]:
+def cache_rows(now: float) -> list[dict]:
     """Every policy file in the cache folder, as a JSON-ready dict: what it is for and what it
-    holds, or why it is ignored ("ignored": the same check a run makes)."""
+    holds, or why it is ignored ("ignored": the same check a run makes); then every token memory
+    file of `--memory persist` ("kind": "token-memory", memory_store.memory_rows)."""
+    folder = cache_dir()
+    return policy_rows(folder) + memory_rows(cache_files(folder, MEMORY_FILES), now)
+
+
+def policy_rows(folder: Path) -> list[dict]:
     out = []
-    for path in cache_files(cache_dir(), POLICY_FILES):
-        row: dict = {"file": str(path)}
+    for path in cache_files(folder, POLICY_FILES):
+        row: dict = {"file": str(path), "kind": "policy"}
         try:
             saved = read_policy_file(path)
         except policy_store.Rejected as err:
@@ -69,17 +76,24 @@ def cache_rows() -> list[dict]:
     return out
 
 
-def clear_cache() -> tuple[Path, int]:
-    """Remove every policy file (and unfinished save) from the cache folder: (the folder, how
-    many were removed). SpecliError when one cannot be removed."""
+def clear_cache() -> tuple[Path, int, int]:
+    """Remove every policy file and token memory file (and unfinished saves) from the cache
+    folder: (the folder, how many policy files, how many memory files were removed). SpecliError
+    when one cannot be removed."""
     folder = cache_dir()
+    return folder, _remove(cache_files(folder, POLICY_FILES, TEMPORARY_FILES), POLICY_FILES), _remove(
+        cache_files(folder, MEMORY_FILES, MEMORY_TEMPORARY), MEMORY_FILES)  # fmt: skip
+
+
+def _remove(paths: list[Path], counted: str) -> int:
+    """Unlink `paths`; how many of those matching `counted` were removed."""
     removed = 0
-    for path in cache_files(folder, POLICY_FILES, TEMPORARY_FILES):
+    for path in paths:
         try:
             path.unlink()
-            removed += 1
+            removed += fnmatch.fnmatchcase(path.name, counted)
         except FileNotFoundError:
             pass
         except OSError as err:
             raise SpecliError(f"cannot remove {path}: {err.strerror}; check its permissions") from None
-    return folder, removed
+    return removed

@@ -19,6 +19,7 @@ from specli.llama.compat import check_compatible
 from specli.decoding.engine import SpeculativeDecoder, draft_length_for
 from specli.decoding.memory import TokenMemory
 from specli.decoding.memory_drafter import drafter_with_memory
+from specli.session.memory_store import MemoryFile, tokenizer_fingerprint
 from specli.errors import IncompatibleDraftError, SpecliError, UsageError
 from specli.files import write_atomically
 from specli.llama.context import validate_ctx
@@ -29,8 +30,8 @@ from specli.models.registry import load_effective_registry, resolve_draft_arg, r
 from specli.decoding.sampling import GREEDY, SamplingParams
 from specli.llama.rpc import RPC_TIMEOUT_S
 
-MEMORY_OFF, MEMORY_PROCESS = "off", "process"
-MEMORY_MODES = (MEMORY_OFF, MEMORY_PROCESS)
+MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIST = "off", "process", "persist"
+MEMORY_MODES = (MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIST)
 MEMORY_BOUND = 1_000_000  # tokens --memory process keeps at most (the oldest generations go first)
 
 
@@ -56,7 +57,9 @@ class ModelChoice:
     draft_rpc: bool = False
     rpc_timeout: float = RPC_TIMEOUT_S  # seconds a server gets to answer the handshake, and a pass
     # Drafting from memory (MEMORY_MODES): "off", or "process": one TokenMemory for the process
-    # (Loaded.memory), every finished generation's prompt and output in it; lookup drafting only.
+    # (Loaded.memory), every finished generation's prompt and output in it; lookup drafting only;
+    # or "persist" (run and chat): that memory loaded from, and saved to, a file per tokenizer
+    # in cache_dir() (memory_store.py; Loaded.memory_file).
     memory: str = MEMORY_OFF
 
 
@@ -97,6 +100,17 @@ class Loaded:
     # With --memory process: the process's TokenMemory, shared by every drafter made for it
     # (the decoder's, and each slot's of batch/serve --parallel: drafter_with_memory).
     memory: TokenMemory | None = None
+    # With --memory persist: its file (memory_store.MemoryFile; its `notice`: the file was ignored).
+    memory_file: MemoryFile | None = None
+
+    def remember(self, tokens) -> str | None:
+        """run and chat: a finished generation (prompt + output) into the memory, and with
+        --memory persist saved to its file; a line for stderr when that save failed."""
+        if self.memory_file is not None:
+            return self.memory_file.remember(tokens)
+        if self.memory is not None:
+            self.memory.add(tokens)
+        return None
 
     def close(self) -> None:
         if self.decoder.policy is not None and self.policy_path is not None:
@@ -282,8 +296,13 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
             if p.draft_path.resolve() != p.target_path.resolve():
                 check_compatible(model_tgt.vocab_info(), model_dft.vocab_info(), model_tgt.token_text, model_dft.token_text)
         memory = TokenMemory(max_tokens=MEMORY_BOUND) if p.memory == MEMORY_PROCESS else None
+        memory_file = None
+        if p.memory == MEMORY_PERSIST:
+            memory_file = MemoryFile.open(cache_dir(), tokenizer_fingerprint(model_tgt), model_tgt.n_vocab)
+            memory = memory_file.memory
+            memory.index()  # (now, before any generation is timed)
         decoder = SpeculativeDecoder(model_tgt, drafter_with_memory(p.mode, model_dft, memory), p.draft_length, p.sampling)
-        loaded = Loaded(p, model_tgt, model_dft, decoder, memory=memory)
+        loaded = Loaded(p, model_tgt, model_dft, decoder, memory=memory, memory_file=memory_file)
         if decoder.adaptive:
             loaded.policy_key = policy_key(p, choice)
             loaded.policy_path = policy_state_path(loaded.policy_key)
