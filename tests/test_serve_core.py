@@ -352,7 +352,7 @@ def test_a_loop_that_dies_answers_every_waiting_request(model, monkeypatch):
 
 def test_slots_with_a_draft_model_draft_in_lockstep_and_give_one_generations_text(model, draft):
     """Each round of drafting evaluates every slot's next draft token in one pass of the draft
-    model's context (parallel.py's plan_all); the texts stay a single generation's."""
+    model's context (StepLoop's lockstep drafting); the texts stay a single generation's."""
     expected = [sequential(model, p, 10 + 6 * i, "draft-model", draft) for i, p in enumerate(PROMPTS)]
     calls = []
     scheduler = draft_scheduler(model, draft, lambda requests: calls.append(len(requests)), n_seq=3)

@@ -257,6 +257,10 @@ def _ago(seconds: float) -> str:
     return "just now"
 
 
+def _print_ignored(row: dict, what_runs_do: str) -> None:
+    print(f"{row['file']}\n  ignored: {row['ignored']} ({what_runs_do}; `specli cache --clear` removes it)")
+
+
 def _print_cache(rows: list[dict], now: float) -> None:
     memories = [row for row in rows if row.get("kind") == "token-memory"]
     rows = [row for row in rows if row.get("kind") != "token-memory"]
@@ -266,7 +270,7 @@ def _print_cache(rows: list[dict], now: float) -> None:
     for row in memories:
         print()
         if "ignored" in row:
-            print(f"{row['file']}\n  ignored: {row['ignored']} (runs neither use nor save it; `specli cache --clear` removes it)")
+            _print_ignored(row, "runs neither use nor save it")
             continue
         print(f"token memory of tokenizer {row['fingerprint']}: saved {_ago(row['age_s'])}")
         print(f"  {row['file']}")
@@ -274,7 +278,7 @@ def _print_cache(rows: list[dict], now: float) -> None:
     for row in rows:
         print()
         if "ignored" in row:
-            print(f"{row['file']}\n  ignored: {row['ignored']} (the next run replaces it; `specli cache --clear` removes it)")
+            _print_ignored(row, "the next run replaces it")
             continue
         key = row["key"]
         target = os.path.basename(str(key.get("target", "?")))

@@ -17,7 +17,6 @@ from specli.cli.options import (
     model_choice, stop_strings,
 )  # fmt: skip
 from specli.errors import UsageError
-from specli.decoding.engine import STOP_INTERRUPTED
 from specli.files import read_limited, strip_bom
 from specli.session import batch
 from specli.session.loading import plan
@@ -84,8 +83,8 @@ def run(
             gen, sys.stdout, sys.stderr, show_text=not json_out, live=not quiet and not verbose,
             show_accept=show_accept, with_drafting=with_drafting,
         )
-        if not interrupted and gen.stop_reason != STOP_INTERRUPTED:  # (an interrupted one is not remembered)
-            notice = loaded.remember([*gen.prompt_ids, *gen.token_ids])
+        if not interrupted:  # (a generation stopped by Ctrl-C is not remembered)
+            notice = loaded.remember(gen)
             if notice and not quiet:
                 print(notice, file=sys.stderr)
         if json_out:

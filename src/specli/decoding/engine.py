@@ -142,6 +142,13 @@ class Generation:
             pass
         return self
 
+    def document(self) -> list[int] | None:
+        """What a memory keeps of this generation: its prompt and output; None while it runs, or
+        when the user or a shutdown interrupted it (such text is never kept)."""
+        if self.stop_reason is None or self.stop_reason == STOP_INTERRUPTED:
+            return None
+        return [*self.prompt_ids, *self.token_ids]
+
     def interrupt(self) -> None:
         """Mark as stopped by the user (keeps everything produced so far)."""
         if self.stop_reason is None:
@@ -280,7 +287,7 @@ class SpeculativeDecoder:
         MultiSequenceContext (its SequenceView); `max_pass` the most tokens one pass may evaluate
         for it. Checks the prompt and draws the seed now; nothing is evaluated before begin().
         A max_tokens below 1 (the CLI and batch items refuse it) ends the generation with no tokens.
-        `seed`, when given, replaces the sampling's own (parallel.py's DecoderPool keeps one
+        `seed`, when given, replaces the sampling's own (DecoderPool keeps one
         decoder per setting and gives each generation its seed).
         """
         prompt = list(prompt_ids)
@@ -440,7 +447,7 @@ class SequenceStep:
         return [*self.context[len(self.context) - 1 - n_tail :], *proposal.tokens]
 
     def book_shared_drafting(self, draft_s: float, token_s: float) -> None:
-        """After plan_steps() drafted in lockstep with other sequences (parallel.plan_all): what
+        """After plan_steps() drafted in lockstep with other sequences (StepLoop._plan_in_lockstep): what
         this sequence's drafting cost, its share of the shared draft passes included (the wall
         time of the rounds counts every sequence's), and the cost of one round of it."""
         self._draft_s = draft_s
@@ -706,14 +713,16 @@ class StepLoop:
         seq = self.sequences.pop(s, None)
         return None if seq is None else seq.gen
 
-    def remember(self, s: int, tokens: Sequence[int]) -> None:
-        """A generation of slot s has finished: its prompt + output (`tokens`) go to slot s's
-        drafter, if it keeps what it is shown (a MemoryDrafter adds them to its memory, which
-        every slot's drafter may share); for other drafters nothing happens. The front ends call
-        it for a generation that completed, never for a failed or cancelled one."""
+    def remember(self, s: int, gen: Generation) -> None:
+        """A generation of slot s has ended: its prompt and output (Generation.document: not an
+        interrupted one) go to slot s's drafter, if it keeps what it is shown (a MemoryDrafter
+        adds them to its memory, which every slot's drafter may share); for other drafters
+        nothing happens. The front ends call it for a generation that completed, never for a
+        failed or cancelled one."""
         remember = getattr(self.pools[s].drafter, "remember", None)
-        if remember is not None:
-            remember(tokens)
+        document = gen.document()
+        if remember is not None and document is not None:
+            remember(document)
 
     def clear(self, s: int) -> None:
         """After a failure (what a failed pass left in slot s's caches is unknown): several

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
-from specli.decoding.engine import STOP_INTERRUPTED, DecoderPool, Generation, StepLoop, Step
+from specli.decoding.engine import DecoderPool, Generation, StepLoop, Step
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SpecliError
 from specli.llama.model import LlamaModel
@@ -105,8 +105,7 @@ def release_done(loop: StepLoop, s: int) -> Generation:
     is remembered by the slot's drafter (StepLoop.remember: a memory drafter's memory), prompt
     and output."""
     gen = loop.release(s)
-    if gen.stop_reason != STOP_INTERRUPTED:
-        loop.remember(s, [*gen.prompt_ids, *gen.token_ids])
+    loop.remember(s, gen)
     return gen
 
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from specli.decoding.engine import STOP_INTERRUPTED, DecoderPool, Generation, SequenceStep, StepLoop
+from specli.decoding.engine import DecoderPool, Generation, SequenceStep, StepLoop
 from specli.decoding.parallel import item_error
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SpecliError
@@ -298,8 +298,7 @@ class Scheduler:
             self.counts["completed"] += 1
             self.counts["tokens"] += len(gen.token_ids)
         _emit(job, Done(gen, gen.text[slot.sent :], s))
-        if gen.stop_reason != STOP_INTERRUPTED:  # (a completed job; not one cut short by a shutdown)
-            self.loop.remember(s, [*gen.prompt_ids, *gen.token_ids])  # (after the answer: it waits for nothing)
+        self.loop.remember(s, gen)  # (after the answer: it waits for nothing; not one cut short by a shutdown)
 
     def _pass(self, active: list[int]) -> None:
         """One step of every active slot (the loop's), then each slot's text out."""

@@ -23,7 +23,6 @@ from specli.llama.model import LlamaModel
 from specli.llama.native import terminated
 from specli.llama.templates import JinjaTemplate, TemplateRenderError, apply_chat_template, builtin_chat_templates
 from specli.session.loading import Loaded
-from specli.decoding.engine import STOP_INTERRUPTED
 from specli.decoding.sampling import sampling_json
 from specli.decoding.stats import Stats
 from specli.modes import MAX_DRAFT, DraftLength, DraftMode
@@ -479,8 +478,8 @@ class ChatSession:
         )
         if interrupted:
             self._forget_untracked()
-        elif gen.stop_reason != STOP_INTERRUPTED:  # a finished reply: into the memory (--memory), saved with persist
-            problem = self.loaded.remember([*gen.prompt_ids, *gen.token_ids])
+        else:  # a finished reply: into the memory (--memory), saved with persist
+            problem = self.loaded.remember(gen)
             if problem and not self.options.quiet:
                 self.notice(problem)
         if not self.out.isatty() or not gen.text:

@@ -16,7 +16,7 @@ from specli import __version__
 
 from specli.decoding.policy import store as policy_store
 from specli.llama.compat import check_compatible
-from specli.decoding.engine import SpeculativeDecoder, draft_length_for
+from specli.decoding.engine import Generation, SpeculativeDecoder, draft_length_for
 from specli.decoding.memory import TokenMemory
 from specli.decoding.memory_drafter import drafter_with_memory
 from specli.session.memory_store import MemoryFile, tokenizer_fingerprint
@@ -103,14 +103,20 @@ class Loaded:
     # With --memory persist: its file (memory_store.MemoryFile; its `notice`: the file was ignored).
     memory_file: MemoryFile | None = None
 
-    def remember(self, tokens) -> str | None:
-        """run and chat: a finished generation (prompt + output) into the memory, and with
-        --memory persist saved to its file; a line for stderr when that save failed."""
+    def remember(self, gen: Generation) -> str | None:
+        """run and chat: a finished generation's prompt and output (Generation.document: not an
+        interrupted one) into the memory, and with --memory persist saved to its file; a line
+        for stderr when that save failed."""
+        document = gen.document()
+        if document is None or self.memory is None:
+            return None
+        problem = None
         if self.memory_file is not None:
-            return self.memory_file.remember(tokens)
-        if self.memory is not None:
-            self.memory.add(tokens)
-        return None
+            problem = self.memory_file.remember(document)  # (its memory is self.memory)
+        else:
+            self.memory.add(document)
+        self.memory.index()  # (now, while no generation is timed, as MemoryDrafter.remember does)
+        return problem
 
     def close(self) -> None:
         if self.decoder.policy is not None and self.policy_path is not None:
