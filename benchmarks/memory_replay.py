@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from specli.decoding.drafters import PromptLookupDrafter  # noqa: E402
 from specli.decoding.memory import TokenMemory  # noqa: E402
-from specli.decoding.memory_drafter import MEMORY, MemoryDrafter  # noqa: E402
+from specli.decoding.memory_drafter import MEMORY, MemoryDrafter, MemoryRecord  # noqa: E402
 from specli.decoding.policy import FIXED  # noqa: E402
 from specli.decoding.replay import CostTable, replay  # noqa: E402
 from specli.modes import DraftLength  # noqa: E402
@@ -273,16 +273,18 @@ class TracingMemoryDrafter(MemoryDrafter):
 SIDES = ("lookup", "memory", "memory, consensus cap")
 
 
-def drafter_for(side: str, memory: TokenMemory, min_match: int | None):
+def drafter_for(side: str, memory: TokenMemory, min_match: int | None, record: MemoryRecord | None, gate: bool):
     if side == "lookup":
         return PromptLookupDrafter()
-    return TracingMemoryDrafter(memory, min_match=min_match, cap_at_consensus=side != "memory")
+    return TracingMemoryDrafter(memory, min_match=min_match, cap_at_consensus=side != "memory", record=record, gate=gate)
 
 
-def replay_workload(texts: list[dict], ns: list[int], max_tokens: int, min_match: int | None) -> list[dict]:
+def replay_workload(texts: list[dict], ns: list[int], max_tokens: int, min_match: int | None, gate: bool = True) -> list[dict]:
     """Each text replayed with lookup alone and with a memory of the texts before it (prompt +
-    output each, added after the text is replayed, as the front end would)."""
+    output each, added after the text is replayed, as the front end would). Each configuration
+    and side keeps its own MemoryRecord across the texts, as a server process keeps one."""
     memory = TokenMemory("bench", max_tokens=max_tokens)
+    records = {(label, side): MemoryRecord() for label, _, _ in configs(ns) for side in SIDES}
     rows = []
     for i, row in enumerate(texts):
         text = list(row["prompt_ids"]) + list(row["output_ids"])
@@ -292,7 +294,7 @@ def replay_workload(texts: list[dict], ns: list[int], max_tokens: int, min_match
         res = {"id": row.get("id", str(i)), "category": row.get("category", ""), "n": len(text) - p, "runs": {}}
         for label, n_draft, told in configs(ns):
             for side in SIDES:
-                drafter = drafter_for(side, memory, min_match)
+                drafter = drafter_for(side, memory, min_match, records[(label, side)], gate)
                 r = replay(text, p, drafter, n_draft, told or CPU)
                 charged = [told] if told is not None else [CPU, GPU]
                 res["runs"][(label, side)] = {
@@ -365,6 +367,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1_000_000, help="the memory's bound")
     ap.add_argument("--min-match", type=int, default=None, help="the shortest memory match drafted from (default: the memory's, 3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-gate", action="store_true", help="memory drafts without MemoryRecord's gate")
     args = ap.parse_args()
     names = [w for w in args.workloads.split(",") if w]
     if names:
@@ -373,11 +376,11 @@ def main() -> None:
         makers = {"tools": tools_workload, "code": code_workload, "extract": extract_workload}
         for name in names:
             pairs = prose_workload() if name == "prose" else makers[name](random.Random(f"{args.seed}-{name}"))
-            rows = replay_workload(tokenized(pairs, tok, name), args.n, args.max_tokens, args.min_match)
+            rows = replay_workload(tokenized(pairs, tok, name), args.n, args.max_tokens, args.min_match, not args.no_gate)
             print_table(name, rows, args.n, by_category=False)
     for path in args.texts:
         texts = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-        rows = replay_workload(spec_bench_order(texts), args.n, args.max_tokens, args.min_match)
+        rows = replay_workload(spec_bench_order(texts), args.n, args.max_tokens, args.min_match, not args.no_gate)
         print_table(Path(path).name, rows, args.n, by_category=True)
 
 

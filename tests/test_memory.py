@@ -17,7 +17,7 @@ from conftest import load
 from specli.decoding.drafters import PromptLookupDrafter
 from specli.decoding.engine import SpeculativeDecoder
 from specli.decoding.memory import Candidate, MemoryFileError, TokenMemory
-from specli.decoding.memory_drafter import MEMORY, MemoryDrafter, shared_prefix
+from specli.decoding.memory_drafter import MEMORY, MemoryDrafter, MemoryRecord, record_for, shared_prefix
 from specli.decoding.policy import FIXED, DraftJudge
 from specli.decoding.replay import CostTable, replay
 
@@ -318,7 +318,7 @@ def test_memory_is_asked_only_when_the_context_has_no_match():
     memory.add([0, 50, 51, 52, 53, 54, 60, 61, 62, 63])
     memory.add([5, 50, 51, 52, 53, 54, 60, 61, 62, 63])
     memory.add([50, 51, 52, 53, 54, 55, 56, 57])
-    drafter = MemoryDrafter(memory)
+    drafter = MemoryDrafter(memory, gate=False)
     asked = []
     lookup = memory.lookup
     memory.lookup = lambda context, n: asked.append(list(context)) or lookup(context, n)
@@ -346,7 +346,7 @@ def test_memory_is_asked_only_when_the_context_has_no_match():
 def test_the_evidence_is_the_best_candidates():
     memory = TokenMemory("t")
     memory.add([9, 1, 2, 3, 4, 5, 6, 7])
-    drafter = MemoryDrafter(memory)
+    drafter = MemoryDrafter(memory, gate=False)
     judge = RecordingJudge()
     # One continuation: agreed None, cap its length, match measured back to the document start.
     assert drafter.propose([0, 9, 1, 2, 3], 8, judge).tokens == [4, 5, 6, 7]
@@ -364,32 +364,107 @@ def test_the_evidence_is_the_best_candidates():
     assert drafter.propose([0, 9, 1, 2, 3], 8, No()).tokens == []
     assert shared_prefix([1, 2, 3], [1, 2, 4]) == 2 and shared_prefix([], [1]) == 0
     # A drafter that wants longer matches than the memory's minimum.
-    assert MemoryDrafter(memory, min_match=5).propose([7, 1, 2, 3], 8).tokens == []
+    assert MemoryDrafter(memory, min_match=5, gate=False).propose([7, 1, 2, 3], 8).tokens == []
 
 
 def test_a_fork_in_memory_is_not_guessed_and_the_consensus_can_cap_the_draft():
     memory = TokenMemory("t")
     for value in (70, 71, 72):  # the same words, then a different value each time
         memory.add([1, 2, 3, 4, value, 9, 9])
-    drafter = MemoryDrafter(memory)
+    drafter = MemoryDrafter(memory, gate=False)
     assert drafter.best([0, 2, 3, 4], 4) is None and drafter.propose([0, 2, 3, 4], 4).tokens == []
     memory = TokenMemory("t")
     memory.add([1, 2, 3, 5, 6, 7, 7])
     memory.add([1, 2, 3, 5, 6, 8, 8])
     memory.add([1, 2, 3, 9, 9])  # the latest (ranked first on a tie), but alone on its first token
-    choice = MemoryDrafter(memory).best([0, 1, 2, 3], 4)
+    choice = MemoryDrafter(memory, gate=False).best([0, 1, 2, 3], 4)
     assert choice.candidate == Candidate((5, 6, 8, 8), 1, 3)  # the best-ranked of the two agreeing on 5
     assert (choice.votes, choice.places, choice.consensus, choice.agreed) == (2, 3, 2, 0)
     judge = RecordingJudge()
-    assert MemoryDrafter(memory).propose([0, 1, 2, 3], 4, judge).tokens == [5, 6, 8, 8]
-    assert MemoryDrafter(memory, cap_at_consensus=True).propose([0, 1, 2, 3], 4, judge).tokens == [5, 6]
+    assert MemoryDrafter(memory, gate=False).propose([0, 1, 2, 3], 4, judge).tokens == [5, 6, 8, 8]
+    assert MemoryDrafter(memory, cap_at_consensus=True, gate=False).propose([0, 1, 2, 3], 4, judge).tokens == [5, 6]
     assert [a["cap"] for a in judge.asked] == [4, 2]
     # A short match may be asked for two agreeing places (off by default).
-    strict = MemoryDrafter(memory)
+    strict = MemoryDrafter(memory, gate=False)
     strict.SHORT_VOTES = 2
     memory.add([4, 4, 4, 3, 3, 3])
-    assert strict.best([0, 4, 4, 4], 4) is None and MemoryDrafter(memory).best([0, 4, 4, 4], 4) is not None
+    assert strict.best([0, 4, 4, 4], 4) is None and MemoryDrafter(memory, gate=False).best([0, 4, 4, 4], 4) is not None
     assert strict.best([0, 1, 2, 3], 4) is not None
+
+
+def test_refused_memory_drafts_close_their_kind_until_a_probe_is_accepted():
+    memory = TokenMemory("t")
+    memory.add([1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13])
+    drafter = MemoryDrafter(memory, record=MemoryRecord())
+    context = [9, 5, 6, 7]  # a match of 3 at one place: kind (0, 0)
+
+    def step(accepted: int | None = None) -> list[int]:
+        tokens = drafter.propose(context, 4).tokens
+        if tokens:
+            drafter.update(len(tokens), len(tokens) if accepted is None else accepted)
+        return tokens
+
+    probe_first = MemoryRecord.PROBE_FIRST
+    assert step(accepted=0) == [10]  # a new kind starts with a 1-token probe; refused, the wait doubles
+    waits = [len(step(accepted=0)) for _ in range(6 * probe_first)]
+    assert [i for i, n in enumerate(waits) if n] == [2 * probe_first - 1, 6 * probe_first - 1]
+    assert all(n in (0, MemoryRecord.PROBE_LENGTH) for n in waits)
+    assert drafter.record.rates(MemoryRecord.kind(3, 1))[0] <= MemoryRecord.MIN_RATE
+    # Another kind of draft (a longer match) is judged apart: its own first probe.
+    assert drafter.propose([1, 2, 3, 4, 5, 6, 7], 4).tokens == [10]
+    # An accepted probe reopens the kind: full drafts again.
+    for _ in range(8 * probe_first - 1):
+        assert step() == []
+    assert step() == [10]
+    assert step() == [10, 11, 12, 13]
+    # Without the gate, every opportunity drafts.
+    assert MemoryDrafter(memory, gate=False).propose(context, 4).tokens == [10, 11, 12, 13]
+
+
+def test_memory_drafts_stop_where_that_kind_of_copy_usually_parts_from_the_text():
+    memory = TokenMemory("t")
+    memory.add([1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15])
+    drafter = MemoryDrafter(memory, record=MemoryRecord())
+    context = [9, 5, 6, 7]
+    lengths = []
+    for _ in range(12):  # the target takes the first two tokens of each copy, never the third
+        tokens = drafter.propose(context, 6).tokens
+        if tokens:
+            drafter.update(len(tokens), min(2, len(tokens)))
+        lengths.append(len(tokens))
+    assert lengths[0] == 1  # the new kind's probe
+    assert lengths[1] == 6  # reopened: long at first ...
+    assert lengths[-3:] == [2, 2, 2]  # ... then as long as that kind's copies hold
+    rates = drafter.record.rates(MemoryRecord.kind(3, 1))
+    assert rates[0] > 0.9 and rates[1] > 0.9 and rates[2] <= MemoryRecord.MIN_RATE
+
+
+def test_drafters_of_one_memory_share_its_record():
+    memory, other = TokenMemory("t"), TokenMemory("t")
+    assert MemoryDrafter(memory).record is MemoryDrafter(memory).record is record_for(memory)
+    assert record_for(other) is not record_for(memory)
+    assert MemoryDrafter(memory, gate=False).record is None
+
+
+def test_on_text_with_nothing_to_recall_memory_costs_a_few_refused_drafts():
+    rng = np.random.default_rng(5)
+    memory = TokenMemory("t", min_match=2)
+    for _ in range(20):
+        memory.add(rng.integers(0, 40, size=200).tolist())  # short matches everywhere, continuations random
+    text = rng.integers(0, 40, size=600).tolist()
+    costs = CostTable.flat(0.01, 1.1)
+
+    def memory_drafted(gate: bool) -> int:
+        record = MemoryRecord()
+        drafted = 0
+        for start in range(0, 600, 200):  # three generations sharing one record
+            drafter = MemoryDrafter(memory, record=record, gate=gate)
+            r = replay(text[start : start + 200], 20, drafter, 4, costs)
+            drafted += r.drafted
+        return drafted
+
+    gated, ungated = memory_drafted(True), memory_drafted(False)
+    assert ungated > 300 and gated < ungated / 20
 
 
 def test_remember_adds_a_document_and_indexes_it():
@@ -409,7 +484,8 @@ def test_a_replay_with_memory_of_the_same_text_needs_fewer_passes():
     memory.add(text)
     helped = replay(text, 50, MemoryDrafter(memory), 16, costs)
     assert alone.drafted == 0 and helped.refused == 0
-    assert helped.passes == -(-250 // 17)  # the whole reply drafted from memory, 16 at a time
+    # The whole reply drafted from memory, 16 at a time, after the first draft of its kind: a 1-token probe.
+    assert helped.passes == 1 + -(-249 // 17)
 
 
 # --------------------------------------------------------------------------------------------

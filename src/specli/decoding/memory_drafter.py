@@ -25,7 +25,8 @@ The front end calls `remember(prompt + output)` when a generation ends, to add i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -60,6 +61,101 @@ class MemoryChoice:
     places: int  # places found (the latest TokenMemory.MAX_PLACES at most)
 
 
+POSITIONS = 16  # draft positions a MemoryRecord keeps apart (later ones share the last's record)
+# The prior of a kind's record: its first token at MemoryRecord.MIN_RATE (closed: a new kind
+# starts with a probe), later ones at 0.9 (so a kind's first drafts go long, and learn where its
+# copies part from the text).
+_PRIOR_ACCEPTED = np.r_[0.4, np.full(POSITIONS - 1, 0.9)]
+
+
+@dataclass
+class _Kind:
+    """One kind of memory draft's record: per draft position, decayed counts of drafts that
+    reached it and of those whose token there the target accepted (every one before it too);
+    and when the kind is closed, the chances until its next probe."""
+
+    drafted: np.ndarray = field(default_factory=lambda: np.ones(POSITIONS))
+    accepted: np.ndarray = field(default_factory=lambda: _PRIOR_ACCEPTED.copy())
+    wait: int = 1  # (a new kind: a probe at its first chance)
+    interval: int = 0
+
+
+@dataclass
+class MemoryRecord:
+    """How memory drafts fared, by their evidence (match length, places agreeing), across every
+    generation that drafts from one memory: serve's slots and requests, batch's items, chat's
+    turns. A memory draft of a kind stops before the first position where, lately, the target
+    accepted MIN_RATE or less of that kind's tokens (given the ones before: a copy's first token
+    is often right where the rest is not, an earlier text's next word, then its own words).
+    A kind whose first position is that low is not drafted but for a probe now and then
+    (PROBE_LENGTH tokens, after PROBE_FIRST chances, the wait doubling after each refused probe
+    up to PROBE_MAX; an accepted one reopens it); a new kind starts with a probe. The counts
+    decay towards the prior (a window of about WINDOW drafts), so a position no longer drafted
+    is tried again after a while. On text with nothing to recall memory then costs a few
+    refused tokens, not a draft a step. A fixed --draft-max obeys it too; under auto the judge
+    sizes what it lets through. It lives as long as the memory (record_for), never saved."""
+
+    MIN_RATE = 0.4
+    WINDOW = 32
+    PROBE_FIRST = 4
+    PROBE_MAX = 256
+    PROBE_LENGTH = 1
+    kinds: dict[tuple[int, int], _Kind] = field(default_factory=dict)
+
+    @staticmethod
+    def kind(match: int, votes: int) -> tuple[int, int]:
+        """A draft's kind: its match length (under 6, 6-11, 12 and more) and places agreeing on
+        its first token (1, more)."""
+        return (0 if match < 6 else 1 if match < 12 else 2), (0 if votes <= 1 else 1)
+
+    def rates(self, kind: tuple[int, int]) -> np.ndarray:
+        """rates[i]: how often lately the target accepted the token at position i of this kind's
+        drafts, of those whose earlier tokens it accepted."""
+        k = self.kinds.get(kind) or _Kind()
+        return np.minimum(k.accepted / k.drafted, 1.0)
+
+    def length(self, kind: tuple[int, int], n_max: int) -> tuple[int, bool]:
+        """How many tokens a draft of this kind may have now (0: none), and whether it is a probe."""
+        k = self.kinds.setdefault(kind, _Kind())
+        good = self.rates(kind) > self.MIN_RATE
+        if good[0]:
+            k.interval = 0
+            n = n_max if good.all() else int(np.argmin(good))  # (beyond POSITIONS: the last one's rate)
+            return min(n, n_max), False
+        if k.interval == 0:  # just closed (or new)
+            k.interval = self.PROBE_FIRST
+            k.wait = k.wait or self.PROBE_FIRST
+        k.wait -= 1
+        if k.wait > 0:
+            return 0, False
+        k.wait = k.interval
+        return min(self.PROBE_LENGTH, n_max), True
+
+    def observe(self, kind: tuple[int, int], n_drafted: int, n_accepted: int, probe: bool) -> None:
+        k = self.kinds.setdefault(kind, _Kind())
+        keep = 1.0 - 1.0 / self.WINDOW
+        k.drafted = k.drafted * keep + (1.0 - keep)
+        k.accepted = k.accepted * keep + (1.0 - keep) * _PRIOR_ACCEPTED
+        n = min(n_drafted, POSITIONS)
+        k.drafted[:n] += 1.0
+        k.accepted[:n] += np.arange(n) < n_accepted
+        if probe and n_accepted == 0:
+            k.interval = k.wait = min(2 * k.interval, self.PROBE_MAX)
+        elif probe:  # reopened: its first token at better than even odds until refusals say otherwise
+            k.accepted[0] = max(k.accepted[0], 0.6 * k.drafted[0])
+
+
+_RECORDS: "weakref.WeakKeyDictionary[TokenMemory, MemoryRecord]" = weakref.WeakKeyDictionary()
+
+
+def record_for(memory: TokenMemory) -> MemoryRecord:
+    """The one MemoryRecord of every drafter sharing `memory`."""
+    record = _RECORDS.get(memory)
+    if record is None:
+        record = _RECORDS[memory] = MemoryRecord()
+    return record
+
+
 class MemoryDrafter:
     """Prompt lookup in the context, else a continuation from a TokenMemory of earlier texts.
 
@@ -77,16 +173,22 @@ class MemoryDrafter:
     lookup's short keys; it is off (1): on those workloads it cost 7-14% of the tokens per pass,
     for a few refusals less on prose.
 
+    Which kinds of memory draft are drafted at all is the shared MemoryRecord's call (one per
+    memory: record_for): kinds the target has mostly refused lately are only probed.
+
     `lookup`: the drafter asked first (a default PromptLookupDrafter if None); `min_match`:
-    the shortest memory match worth a draft (None: the memory's own minimum)."""
+    the shortest memory match worth a draft (None: the memory's own minimum); `record`: the
+    record to judge by (None: the memory's; `gate=False`: none)."""
 
     name = DraftMode.LOOKUP  # a lookup drafter whose copies may also come from memory
     LONG_MATCH = 8  # a match this long is evidence on its own (lookup's ngram_min)
     SHORT_VOTES = 1  # ... a shorter one needs this many places agreeing on the first token
 
     def __init__(self, memory: TokenMemory, lookup: PromptLookupDrafter | None = None, min_match: int | None = None,
-                 cap_at_consensus: bool = False):  # fmt: skip
+                 cap_at_consensus: bool = False, record: MemoryRecord | None = None, gate: bool = True):  # fmt: skip
         self.memory = memory
+        self.record = None if not gate else record if record is not None else record_for(memory)
+        self._memory_draft: tuple[tuple[int, int], bool] | None = None  # the latest memory draft's kind, and if a probe
         self.cap_at_consensus = cap_at_consensus
         self.lookup = lookup if lookup is not None else PromptLookupDrafter()
         self.min_match = memory.min_match if min_match is None else max(min_match, memory.min_match)
@@ -132,18 +234,29 @@ class MemoryDrafter:
         return MemoryChoice(best, agreed, consensus, votes, places)
 
     def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
+        self._memory_draft = None
         proposal = self.lookup.propose(context, n_max, judge)
         if proposal.tokens or n_max <= 0:
             self.last_source = proposal.source if proposal.tokens else None
             return proposal
         choice = self.best(context, n_max)
+        probe = False
+        if choice is not None and self.record is not None:
+            kind = MemoryRecord.kind(choice.candidate.match, choice.votes)
+            allowed, probe = self.record.length(kind, n_max)
+            n_max = allowed  # (a judge may read its cap as evidence only: this bound is the record's)
+            if allowed == 0:
+                choice = None
         if choice is None:  # (lookup's empty proposal: the judge was asked only by lookup, if at all)
             self.last_source = None
             return proposal
         tokens = choice.candidate.tokens
         cap = choice.consensus if self.cap_at_consensus else len(tokens)
+        cap = min(cap, n_max)
         n = judge.limit(MEMORY, n_max, len(context), match=choice.candidate.match, agreed=choice.agreed, cap=cap)
         self.last_source = MEMORY if n > 0 else None
+        if n > 0 and self.record is not None:
+            self._memory_draft = (kind, probe)
         return Proposal(list(tokens[: max(n, 0)]), source=MEMORY)
 
     def longest(self, context: Sequence[int], n_max: int) -> list[int]:
@@ -156,6 +269,10 @@ class MemoryDrafter:
         return [] if choice is None else list(choice.candidate.tokens[:n_max])
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
+        if self._memory_draft is not None and self.record is not None:
+            kind, probe = self._memory_draft
+            self.record.observe(kind, n_drafted, n_accepted, probe)
+            self._memory_draft = None
         self.lookup.update(n_drafted, n_accepted)  # (the next context shows lookup what happened)
 
 
