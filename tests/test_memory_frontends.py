@@ -127,6 +127,36 @@ def test_a_request_repeating_an_earlier_one_drafts_from_memory_with_the_same_out
     assert memory.n_documents == 2
 
 
+def test_an_idle_scheduler_calls_on_idle_again_when_asked(model):
+    """serve --memory persist saves when idle; a save put off (at most one per 30 s) is retried
+    while the server stays idle: on_idle's answer is when to call it again."""
+    import threading
+    import time
+
+    from specli.server.scheduler import Scheduler
+
+    calls, done = [], threading.Event()
+
+    def on_idle():
+        calls.append(time.monotonic())
+        if len(calls) >= 3:
+            done.set()
+            return None  # (nothing more to do: wait for a request)
+        return 0.01
+
+    scheduler = Scheduler(loaded_with_memory(model, TokenMemory()), n_seq=1, queue_limit=4, n_threads=1, kv_type="f32",
+                          flash_attn="off", on_idle=on_idle)  # fmt: skip
+    with running(scheduler):
+        assert done.wait(60)  # (a deadline, not a timing check)
+        collector = Collector()
+        scheduler.submit(job_for(model, PROMPTS[1], 8, collector))
+        collector.result()
+        deadline = time.monotonic() + 60
+        while len(calls) < 4 and time.monotonic() < deadline:  # idle again after the request
+            time.sleep(0.01)
+    assert len(calls) == 4
+
+
 # --- the command line ---------------------------------------------------------------------------
 @pytest.mark.parametrize("command", ["batch", "serve"])
 @pytest.mark.parametrize("drafting", [["--target-only"], ["--lookup", "-d", "DRAFT"], ["-d", "DRAFT"]], ids=["target-only", "hybrid", "draft-model"])

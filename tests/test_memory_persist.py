@@ -7,12 +7,14 @@ and `--clear` removes it; chat remembers each finished turn."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import stat
 import threading
+from pathlib import Path
 
 import pytest
 
-from fixtures.cli import GREEDY_ARGS, PROMPTS, specli
+from fixtures.cli import GREEDY_ARGS, PROMPTS, read_records, specli, write_jsonl
 from specli.decoding.memory import TokenMemory
 from specli.decoding.memory_drafter import MEMORY
 from specli.session import memory_store
@@ -114,6 +116,27 @@ def test_concurrent_saves_keep_every_document(tmp_path):
     assert memory_store.read_memory_file(later.path, fingerprint).n_documents == 19
 
 
+def _save_in_a_process(folder: str, fingerprint: str, i: int, opened) -> list:
+    f = MemoryFile.open(Path(folder), fingerprint, 100)
+    opened.wait(timeout=60)  # (every process has read the file before any saves)
+    return [f.remember([i + 1, j + 1, 7, 8, 9, i + 1]) for j in range(3)]
+
+
+def test_concurrent_saves_from_separate_processes_keep_every_document(tmp_path):
+    # The lock is between processes (runs and servers), not only threads.
+    fingerprint = "vocab-sha256:test"
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        opened = manager.Barrier(4)
+        with ctx.Pool(4) as pool:
+            pending = [pool.apply_async(_save_in_a_process, (str(tmp_path), fingerprint, i, opened)) for i in range(4)]
+            problems = [r.get(timeout=120) for r in pending]
+    assert problems == [[None] * 3] * 4
+    saved = memory_store.read_memory_file(memory_path(tmp_path, fingerprint), fingerprint)
+    assert sorted(map(tuple, saved.documents())) == sorted((i + 1, j + 1, 7, 8, 9, i + 1) for i in range(4) for j in range(3))
+    assert not list(tmp_path.glob(".memory-*"))  # no temporary file left behind
+
+
 def test_the_bound_keeps_the_file_within_64_mib_and_drops_the_oldest(tmp_path, monkeypatch):
     worst = TokenMemory._HEADER.size + TokenMemory.MAX_FINGERPRINT + 8 * memory_store.PERSIST_BOUND + TokenMemory._DIGEST
     assert worst <= memory_store.MAX_BYTES
@@ -138,9 +161,27 @@ def test_chat_remembers_each_finished_turn(tmp_path, pair_perturbed):
     assert first[:5] == second[:5] and len(second) > len(first)  # the second turn's prompt holds the first turn
 
 
-def test_memory_persist_needs_lookup_and_batch_refuses_it(tmp_path, pair_perturbed):
+def test_batch_saves_its_finished_items_and_a_second_batch_drafts_from_them(tmp_path, pair_perturbed):
+    target, cache = str(pair_perturbed[0]), tmp_path / "cache"
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(PROMPTS[:3])])
+    runs = []
+    for name in ("first", "second"):
+        out = tmp_path / f"{name}.jsonl"
+        result = specli("batch", str(src), "-o", str(out), "-m", target, "--lookup", "--draft-max", "4", "--max-tokens", "24", "--memory", "persist",
+                        "--quiet", *GREEDY_ARGS, env={"SPECLI_CACHE_DIR": str(cache)})  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        runs.append(read_records(out))
+        assert TokenMemory.from_bytes(memory_file(cache).read_bytes()).n_documents == 3 * len(runs)
+    assert stat.S_IMODE(memory_file(cache).stat().st_mode) == 0o600
+    first, second = runs
+    assert [r["token_ids"] for r in first] == [r["token_ids"] for r in second]
+    assert all(MEMORY not in r["stats"]["by_source"] for r in first[:1])
+    assert all(r["stats"]["by_source"].get(MEMORY, {}).get("accepted", 0) > 0 for r in second)
+
+
+def test_memory_persist_needs_lookup(tmp_path, pair_perturbed):
     target, draft = map(str, pair_perturbed)
     result = specli("run", "x", "-m", target, "-d", draft, "--memory", "persist", *GREEDY_ARGS, env={"SPECLI_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 2 and "--memory persist" in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    refused = specli("batch", str(tmp_path / "in.jsonl"), "-m", target, "--lookup", "--memory", "persist")
-    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1 and "persist" in refused.stderr
+    refused = specli("batch", str(write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])), "-m", target, "--target-only", "--memory", "persist")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1 and "--memory persist" in refused.stderr

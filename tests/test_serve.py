@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import stat
 import socket
 import subprocess
 import sys
@@ -707,6 +708,33 @@ def test_many_clients_get_each_their_own_greedy_output(gemma_path, tmp_path, rec
 
 # --- 12. refusals before serving ------------------------------------------------------------------------------
 # (serve without the extra: tests/test_serve_core.py)
+
+
+def test_memory_persist_is_saved_when_idle_and_at_exit_and_a_restarted_server_reads_it(gemma_path, tmp_path):
+    from specli.decoding.memory import TokenMemory
+
+    cache = tmp_path / "cache"
+    args = ("--lookup", "--memory", "persist", "--parallel", "1")
+
+    def saved() -> list:
+        files = list(cache.glob("memory-*.tmem"))
+        return TokenMemory.from_bytes(files[0].read_bytes()).documents() if files else []
+
+    with serving(gemma_path, tmp_path, *args, env={"SPECLI_CACHE_DIR": str(cache)}) as srv:
+        model = srv.client().models.list().data[0].id
+        complete(srv.client(), model, REPETITIVE, 12)
+        deadline = time.monotonic() + WAIT_DEADLINE  # (saved by the loop once idle: a deadline, not a timing check)
+        while not saved() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(saved()) == 1
+        (path,) = cache.glob("memory-*.tmem")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        complete(srv.client(), model, CODE, 12)  # (within 30 s of the first save: saved at exit)
+    assert len(saved()) == 2
+    with serving(gemma_path, tmp_path, *args, env={"SPECLI_CACHE_DIR": str(cache)}) as srv:
+        complete(srv.client(), model, PROSE, 12)
+    documents = saved()
+    assert len(documents) == 3 and documents[0][:4] != documents[2][:4]  # the restart kept both, added its own
 
 
 def test_busy_port_fails_at_once_naming_it(gemma_path):

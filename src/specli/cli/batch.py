@@ -63,7 +63,7 @@ def batch_command(
     (in input order), a summary on stderr. Re-running with the same output resumes."""
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
     stops = stop_strings(stop)
-    check_parallel(parallel, memory.n_ctx)
+    check_parallel(parallel, memory.n_ctx, choice.branches)
     out_path = _check_output(output, input_path, resume=resume, overwrite=overwrite)
     if summary_path is not None:
         check_writable(summary_path, "the --summary file")

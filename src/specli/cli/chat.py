@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Optional
 
@@ -55,7 +56,8 @@ def chat(
         options = ChatOptions(max_tokens=max_tokens, system=system, quiet=quiet, verbose=verbose, show_accept=show_accept, stop=stops)
         # The terminal's width is read per reply: it may be resized during a chat.
         summary = lambda stats, **kw: summary_line(stats, verbose=verbose, width=terminal_width(sys.stderr), **kw)  # noqa: E731
-        session = ChatSession(loaded, formatter, options, stream_generation=stream_generation, summary_line=summary)
+        stream = functools.partial(stream_generation, trace=sys.stderr) if verbose else stream_generation  # (--verbose: tree passes)
+        session = ChatSession(loaded, formatter, options, stream_generation=stream, summary_line=summary)
         return session.loop(reader)
     finally:
         loaded.close()

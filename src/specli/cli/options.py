@@ -28,6 +28,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from specli.decoding.branches import MAX_BRANCHES
 from specli.decoding.engine import check_stop
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SettingError, SpecliError, UsageError
@@ -97,6 +98,13 @@ class Drafting:
         "--draft-max", "--spec-draft-n-max", "--num-speculative-tokens", metavar="auto|N", parser=parse_n_draft,
         help=f"Draft tokens per step: 'auto' (default: chosen each step from measured costs and acceptance) or a fixed number 1-{MAX_DRAFT}.",
     )] = None  # fmt: skip
+    branches: Annotated[int, typer.Option(
+        "--branches", metavar="N", min=1, max=MAX_BRANCHES,
+        help=("With --memory, greedy (--temp 0), one sequence at a time: verify up to N of the memory's candidate continuations "
+              "in one target pass (a token tree) where earlier texts went different ways; 1 (default): the draft alone. "
+              "With --draft-max auto a branch is sent only where the measured pass costs say the wider pass pays (on a GPU it may; "
+              "on a CPU rarely); with a fixed --draft-max every candidate up to N. --verbose shows each tree pass."),
+    )] = 1  # fmt: skip
 
 
 @dataclass
@@ -160,19 +168,18 @@ Threads = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, help="
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr except errors.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log and tracebacks.")]
 ShowAccept = Annotated[bool, typer.Option("--show-accept", help="On a terminal, colour text that came from accepted drafts.")]
-# batch's and serve's: one memory for the process ('persist' is run's and chat's).
-DraftMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PROCESS], typer.Option(
-    "--memory", help=(
-        "Draft from memory too (with --lookup only): 'process' keeps every finished generation's prompt and output "
-        f"(the latest {MEMORY_BOUND:,} tokens, in memory, never on disk) and copies from them when the text so far has no match; "
-        "'off' (default) drafts from the text so far alone."
-    ),
-)]  # fmt: skip
 _PERSIST_HELP = (
     "'persist' also keeps every finished generation's prompt and output between runs, in a file per tokenizer in the cache folder "
     f"(mode 0600, at most {MAX_BYTES >> 20} MiB, oldest out first; `specli cache` shows it, `--clear` deletes it) and copies from it "
     "when the text so far has no match. 'off' (default): it writes your text to disk, and on text with nothing to recall it gains nothing."
 )
+# batch's and serve's: one memory for the process, or kept between runs too.
+DraftMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIST], typer.Option(
+    "--memory", help=(
+        "Draft from memory too (with --lookup only): 'process' keeps every finished generation's prompt and output "
+        f"(the latest {MEMORY_BOUND:,} tokens, in memory only) and copies from them when the text so far has no match; "
+    ) + _PERSIST_HELP + " With 'persist', serve saves when idle (at most every 30 s) and at exit, batch at the end.",
+)]  # fmt: skip
 # run's: one generation, so only a memory kept between runs can help it.
 RunMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PERSIST], typer.Option(
     "--memory", help="Draft from memory too (with --lookup only): " + _PERSIST_HELP,
@@ -227,10 +234,13 @@ def flatten(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # --- what the options become ---------------------------------------------------------------------
-def check_parallel(parallel: int, ctx: int) -> None:
+def check_parallel(parallel: int, ctx: int, branches: int = 1) -> None:
     """UsageError unless 1 <= --parallel <= MAX_PARALLEL and the P contexts of -c tokens fit in
-    one llama.cpp context (at most MAX_CTX tokens: the P sequences share one KV cache): batch's
-and serve's --parallel."""
+    one llama.cpp context (at most MAX_CTX tokens: the P sequences share one KV cache), and
+    --branches (tree passes: one sequence at a time) is 1 with P > 1: batch's and serve's
+    --parallel."""
+    if parallel > 1 and branches > 1:
+        raise UsageError(f"--branches {branches} verifies one sequence at a time: use --parallel 1, or --branches 1 with --parallel {parallel}")
     if not 1 <= parallel <= MAX_PARALLEL:
         raise UsageError(f"--parallel must be from 1 to {MAX_PARALLEL} (llama.cpp's most sequences in one context), got {parallel}")
     if parallel > 1 and parallel * ctx > MAX_CTX:
@@ -263,7 +273,7 @@ def model_choice(
         models.model, models.draft, models.lookup, drafting.target_only, drafting.n_draft,
         memory.n_ctx, memory.ngl, memory.draft_ngl, threads, sampling.params(seed),
         rpc=memory.rpc_endpoints(), tensor_split=memory.split(), draft_rpc=memory.draft_rpc, rpc_timeout=memory.rpc_timeout,
-        memory=draft_memory,
+        memory=draft_memory, branches=drafting.branches,
     )  # fmt: skip
 
 

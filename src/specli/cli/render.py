@@ -246,13 +246,16 @@ def stream_generation(
     live: bool,
     show_accept: bool,
     with_drafting: bool,
+    trace: TextIO | None = None,
 ) -> bool:
     """Run `gen` to the end, streaming its text to `out` (if show_text) and a live status line
-    to `err` (if live and a terminal). Returns True when Ctrl-C stopped it (text so far kept)."""
+    to `err` (if live and a terminal); to `trace` (--verbose) a line for each pass that verified
+    several branches (--branches). Returns True when Ctrl-C stopped it (text so far kept)."""
     status = LiveStatus(err, out, enabled=live)
     text_out = TextOutput(out, show_accept=show_accept)
     printed = 0
     interrupted = False
+    trees: list[int] = []  # the widths of the tree passes
     try:
         for step in gen:
             status.clear()
@@ -261,10 +264,17 @@ def stream_generation(
                 text_out.write(step)
                 status.note_text(step.text)
             status.show(lambda: status_text(gen.stats, with_drafting=with_drafting))
+            if trace is not None and step.n_branches > 1:
+                trees.append(step.width)
+                print(f"specli: tree pass after {len(gen.token_ids) - len(step.tokens)} tokens: {step.n_branches} branches "
+                      f"in a pass of {step.width} tokens, {step.n_accepted} accepted", file=trace)  # fmt: skip
     except KeyboardInterrupt:
         gen.interrupt()
         interrupted = True
     status.clear()
+    if trees:
+        print(f"specli: {len(trees)} of {gen.stats.target_passes} passes verified several branches "
+              f"(mean {sum(trees) / len(trees):.1f} tokens a pass)", file=trace)  # fmt: skip
     if show_text:
         text_out.write_text(gen.text[printed:])  # text held back for an incomplete character
         if gen.text and not gen.text.endswith("\n") and out.isatty():

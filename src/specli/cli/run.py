@@ -81,7 +81,7 @@ def run(
         with_drafting = the_plan.mode != DraftMode.TARGET_ONLY
         interrupted = stream_generation(
             gen, sys.stdout, sys.stderr, show_text=not json_out, live=not quiet and not verbose,
-            show_accept=show_accept, with_drafting=with_drafting,
+            show_accept=show_accept, with_drafting=with_drafting, trace=sys.stderr if verbose else None,
         )
         if not interrupted:  # (a generation stopped by Ctrl-C is not remembered)
             notice = loaded.remember(gen)

@@ -23,6 +23,7 @@ from specli.modes import DraftMode
 commands = typer.Typer()
 
 DEFAULT_QUEUE = 64
+MEMORY_SAVE_EVERY_S = 30.0  # --memory persist: the most often an idle server saves (a save re-reads and writes the file)
 
 
 @commands.command("serve")
@@ -49,7 +50,7 @@ def serve_command(
     """Serve the models over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
     /v1/models, /health), drafting as `run` does. Ctrl-C or SIGTERM stops it cleanly."""
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
-    check_parallel(parallel, memory.n_ctx)
+    check_parallel(parallel, memory.n_ctx, choice.branches)
     if api_key is None and os.environ.get("SPECLI_API_KEY") is not None:
         api_key = os.environ["SPECLI_API_KEY"]  # (set but empty: the option parser drops it as unset)
     if api_key is not None and not api_key.strip():
@@ -74,7 +75,16 @@ def serve_command(
         loaded = load_models(the_plan, choice, quiet=quiet, verbose=verbose)
         try:
             settings = _settings(loaded, the_plan, models, choice, api_key, max_tokens, template, quiet)
-            scheduler = Scheduler(loaded, n_seq=parallel, queue_limit=queue, n_threads=threads, describe=error_message, release_models=True)
+            def save_memory(every_s: float = 0.0) -> float | None:  # (--memory persist; when idle: the scheduler's on_idle)
+                problem = loaded.save_memory(every_s=every_s)
+                if problem and not quiet:
+                    server_app.stderr_line(problem)
+                return loaded.memory_save_due(every_s)
+
+            scheduler = Scheduler(
+                loaded, n_seq=parallel, queue_limit=queue, n_threads=threads, describe=error_message, release_models=True,
+                on_idle=(lambda: save_memory(MEMORY_SAVE_EVERY_S)) if loaded.memory_file is not None else None,
+            )  # fmt: skip
             service = server_app.Service(scheduler, loaded.model_tgt, settings)
             if choice.rpc:  # a stalled server: /health and the waiting requests get 503 before the exit
                 from specli.llama import rpc
@@ -100,6 +110,7 @@ def serve_command(
                 server_app.serve(service, sock, on_ready=ready, verbose=verbose)
             finally:
                 scheduler.close()
+                save_memory()
         finally:
             if parallel == 1:
                 loaded.close()  # (saves -n auto's measurements, as chat does)

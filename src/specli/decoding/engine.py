@@ -32,8 +32,9 @@ from typing import Generator, Iterator, Sequence
 
 import numpy as np
 
+from specli.decoding.branches import BRANCH_SOURCE, TokenTree, TreeVerdict, plan_branches, verify_tree
 from specli.decoding.drafters import Drafter, Proposal, make_drafter
-from specli.decoding.memory_drafter import drafter_with_memory
+from specli.decoding.memory_drafter import drafter_with_memory, shared_prefix
 from specli.errors import SettingError, SpecliError, UsageError
 from specli.llama.context import MultiSequenceContext, SequenceView
 from specli.llama.model import LlamaModel, common_prefix_len, fill_cache
@@ -106,6 +107,8 @@ class Step:
     text_own: str  # text completed by the target's own token
     n_drafted: int
     n_accepted: int  # the first n_accepted emitted tokens came from the draft
+    n_branches: int = 1  # the draft's branches (more than 1: a tree pass, branches.py)
+    width: int = 0  # tokens in this sequence's part of the pass (0: not a tree pass)
 
     @property
     def text(self) -> str:
@@ -318,6 +321,14 @@ class SpeculativeDecoder:
         p_rows = TargetRows(logits_tgt, self.sampling, context, proposal.tokens)
         return verify_sampled(p_rows, proposal.q_rows, proposal.tokens, rng)
 
+    def verify_tree(self, rows: np.ndarray, tree: TokenTree, context: list[int]) -> TreeVerdict:
+        """Greedy only: each branch as verify() checks a chain, the longest accepted wins."""
+        assert self.sampling.greedy, "tree passes are greedy only"
+        if not penalty_history(self.sampling, context):
+            return verify_tree(rows, tree)
+        # (the penalty changes the argmax: each branch's rows see its own history, as verify's)
+        return verify_tree(rows, tree, lambda node_rows, draft: TargetRows(node_rows, self.sampling, context, draft, row=penalized_row))
+
 
 class SequenceStep:
     """One generation between target passes, and its step around each pass: `plan()` before it
@@ -353,6 +364,7 @@ class SequenceStep:
         self._n_tail = 0  # prompt tokens left to the next pass (begin())
         self._pass_tail = 0  # those of them in the pending pass
         self.n_rows = 1  # the rows of logits the pending pass must return for this sequence
+        self._tree: TokenTree | None = None  # the pending pass's branches, when a tree
 
     def begin(self, budget: int | None = None) -> bool:
         """Put the prompt into the cache (keeping what it already holds of it, such as a chat's
@@ -407,7 +419,27 @@ class SequenceStep:
         k, t_draft = self._plan_start()
         drafter = self.decoder.drafter
         proposal = drafter.propose(self.context, k, self.decoder.judge) if (drafter is not None and k > 0) else Proposal([])
-        return self._plan_end(proposal, k, t_draft)
+        return self._plan_end(proposal, k, t_draft, self._branches(proposal, k))
+
+    def _branches(self, proposal: Proposal, k: int) -> TokenTree | None:
+        """The tree of this step's pass (branches.py), or None for the chain alone: only greedy,
+        on a cache with room for branches (LlamaModel(branches=N)), and not with the prompt's
+        end in the pass. The cost table is -n auto's, else --branches alone decides."""
+        room = getattr(self.cache, "max_branches", 1)
+        decoder = self.decoder
+        if room < 2 or k <= 0 or self._n_tail or decoder.drafter is None or not decoder.sampling.greedy:
+            return None
+        costs = None
+        if decoder.adaptive:
+            table = decoder.judge.pass_cost.table(1 + k * room, len(self.context))
+            costs = table.__getitem__
+        branches = plan_branches(decoder.drafter, self.context, proposal.tokens, k, room, costs, proposal.source)
+        if len(branches) < 2 and (not branches or branches[0] == list(proposal.tokens)):
+            return None  # (the chain alone, or nothing: a plain pass)
+        tree = TokenTree.of(branches)
+        if len(self.cache.cached) + tree.width > self.cache.n_ctx or tree.width > self.max_pass:
+            return None  # (every node takes a cell of the cache for the pass, and a place in the batch)
+        return tree
 
     def plan_steps(self) -> Generator[int, np.ndarray, list[int]]:
         """plan() as a generator, for a loop that evaluates several sequences' draft tokens in
@@ -438,13 +470,26 @@ class SequenceStep:
         self._gap_s = None if self._t_previous is None else t_draft - self._t_previous
         return k, t_draft
 
-    def _plan_end(self, proposal: Proposal, k: int, t_draft: float) -> list[int]:
+    def _plan_end(self, proposal: Proposal, k: int, t_draft: float, tree: TokenTree | None = None) -> list[int]:
         self._draft_s = time.perf_counter() - t_draft
         assert len(proposal.tokens) <= k
         n_tail, self._n_tail = self._n_tail, 0
         assert len(self.cache.cached) + n_tail == len(self.context) - 1
-        self._proposal, self._pass_tail, self.n_rows = proposal, n_tail, len(proposal.tokens) + 1
+        self._proposal, self._pass_tail, self._tree = proposal, n_tail, tree
+        if tree is not None:
+            assert not n_tail
+            self.n_rows = tree.width
+            return [self.context[-1], *tree.tokens]
+        self.n_rows = len(proposal.tokens) + 1
         return [*self.context[len(self.context) - 1 - n_tail :], *proposal.tokens]
+
+    @property
+    def tree_parents(self) -> list[int] | None:
+        """For a tree pass, each of plan()'s tokens' parent (-1: `last`, the root; LlamaModel.eval_tree);
+        None for a chain."""
+        if self._tree is None:
+            return None
+        return [-1, *(p + 1 for p in self._tree.parents)]
 
     def book_shared_drafting(self, draft_s: float, token_s: float) -> None:
         """After plan_steps() drafted in lockstep with other sequences (StepLoop._plan_in_lockstep): what
@@ -473,17 +518,31 @@ class SequenceStep:
         assert proposal is not None, "commit() follows plan()"
         self._proposal = None
         draft = proposal.tokens
-        verdict = decoder.verify(rows, proposal, context, self.rng)
-        # Keep the cache = context before the new `last` (the target's own token).
-        self.cache.truncate(len(context) + verdict.n_accepted)
+        tree, self._tree = self._tree, None
+        source = proposal.source
+        if tree is None:
+            verdict = decoder.verify(rows, proposal, context, self.rng)
+            # Keep the cache = context before the new `last` (the target's own token).
+            self.cache.truncate(len(context) + verdict.n_accepted)
+            n_drafted, n_own = len(draft), verdict.n_accepted
+        else:
+            won = decoder.verify_tree(rows, tree, context)
+            verdict = won.verdict
+            self.cache.keep_branch([0, *(1 + i for i in tree.paths[won.branch][: verdict.n_accepted])])
+            # The drafter and the policy are told how its own draft fared (what a chain pass
+            # would have accepted: the greedy tokens are the same); the stats count every node,
+            # and credit another branch's source where the chain accepted less.
+            n_drafted, n_own = len(tree.tokens), min(shared_prefix(draft, verdict.tokens), len(draft))
+            if n_own < verdict.n_accepted:
+                source = BRANCH_SOURCE
         if decoder.drafter is not None and draft:
-            decoder.drafter.update(len(draft), verdict.n_accepted)
+            decoder.drafter.update(len(draft), n_own)
         t_done = time.perf_counter()
         verify_s = t_done - t_commit  # this sequence's verification, after the pass
         if decoder.adaptive:  # (told how many prompt tokens the pass held: the first step's times price the prompt)
             decoder.judge.observe(StepReport(
-                source=proposal.source, n_drafted=len(draft), n_accepted=verdict.n_accepted,
-                confidences=proposal.confidences, draft_s=self._draft_s, pass_tokens=len(draft) + 1,
+                source=proposal.source, n_drafted=len(draft), n_accepted=n_own,
+                confidences=proposal.confidences, draft_s=self._draft_s, pass_tokens=len(rows),
                 pass_s=pass_s * share + verify_s, token_s=proposal.token_s, first_s=proposal.first_s,
                 context_len=len(context), gap_s=self._gap_s, cpu_s=None if cpu_s is None else cpu_s * share,
                 prompt_tokens=max(prompt_tokens, self._pass_tail),
@@ -492,7 +551,9 @@ class SequenceStep:
         # live status's first drawing, 1 ms on a terminal)
         self._t_previous = t_done if gen.token_ids else None
 
-        step = gen.record(verdict.tokens, verdict.n_accepted, len(draft), decoder.model_tgt.is_eog, proposal.source)
+        step = gen.record(verdict.tokens, verdict.n_accepted, n_drafted, decoder.model_tgt.is_eog, source)
+        if tree is not None:
+            step.n_branches, step.width = len(tree.paths), tree.width
         context.extend(verdict.tokens)
         gen.stats.draft_s += self._draft_s
         if self._pass_tail:
@@ -516,9 +577,14 @@ class ModelPasses:
         self.model = model
         self.n_batch = model.n_batch
 
-    def eval(self, requests: dict[int, list[int]], *, rows: dict[int, int]) -> dict[int, np.ndarray]:
-        """Each request's logits for its last rows[s] tokens."""
-        return {s: self.model.eval(tokens, logits=rows[s]) for s, tokens in requests.items()}
+    def eval(
+        self, requests: dict[int, list[int]], *, rows: dict[int, int], trees: dict[int, list[int]] | None = None,
+    ) -> dict[int, np.ndarray]:  # fmt: skip
+        """Each request's logits for its last rows[s] tokens; a request in `trees` is a token
+        tree (its tokens' parents, SequenceStep.tree_parents), a row for each token."""
+        trees = trees or {}
+        return {s: self.model.eval_tree(tokens, trees[s]) if s in trees else self.model.eval(tokens, logits=rows[s])
+                for s, tokens in requests.items()}  # fmt: skip
 
     def clear(self, s: int) -> None:
         """After a failure: drop what the cache may hold beyond what is tracked (a failed or
@@ -752,9 +818,13 @@ class StepLoop:
         results: dict[int, Step | Exception] = dict(failed)
         if not requests:
             return results
+        trees = {s: seqs[s].tree_parents for s in requests if seqs[s].tree_parents is not None}
         t_pass, cpu_pass = time.perf_counter(), time.process_time()
         try:
-            rows = self.passes.eval(requests, rows={s: seqs[s].n_rows for s in requests})
+            if trees:  # (planned only on a cache with room for branches: ModelPasses' model)
+                rows = self.passes.eval(requests, rows={s: seqs[s].n_rows for s in requests}, trees=trees)
+            else:
+                rows = self.passes.eval(requests, rows={s: seqs[s].n_rows for s in requests})
         except Exception as err:
             return {**results, **{s: err for s in requests}}
         cpu_s, pass_s = time.process_time() - cpu_pass, time.perf_counter() - t_pass

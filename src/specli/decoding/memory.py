@@ -164,6 +164,7 @@ class TokenMemory:
         self._recent: _Segment | None = None
         self._indexed = 0  # the buffer is indexed up to here
         self._starts_np = np.zeros(0, dtype=np.int64)  # live documents' starts (with the end after)
+        self.n_added = 0  # documents added since the memory was made or cleared (evicted ones too)
 
     @property
     def n_tokens(self) -> int:
@@ -184,6 +185,15 @@ class TokenMemory:
     def documents(self) -> list[list[int]]:
         """The live documents, oldest first."""
         bounds = self._starts[self._first :] + [self._n]
+        return [self._buf[a:b].tolist() for a, b in zip(bounds, bounds[1:])]
+
+    def added_since(self, n_added: int) -> list[list[int]]:
+        """The documents added after the n_added-th that are still held, oldest first (what a
+        caller that saw n_added documents has not seen)."""
+        n = min(max(self.n_added - n_added, 0), self.n_documents)
+        if n == 0:
+            return []
+        bounds = self._starts[len(self._starts) - n :] + [self._n]
         return [self._buf[a:b].tolist() for a, b in zip(bounds, bounds[1:])]
 
     def _check_tokens(self, tokens: Iterable[int]) -> np.ndarray:
@@ -214,6 +224,7 @@ class TokenMemory:
         self._buf[self._n : need] = arr
         self._starts.append(self._n)
         self._n = need
+        self.n_added += 1
         while self._n - self._live_start > self.max_tokens:
             self._first += 1
         if self._live_start > self.max_tokens:  # (many adds and no lookup: bound the buffer too)

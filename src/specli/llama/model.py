@@ -69,6 +69,36 @@ def check_gguf_file(path: Path) -> None:
 
 
 @dataclass(frozen=True)
+class _PendingTree:
+    """An eval_tree pass whose nodes sit in the branch sequences until keep_branch."""
+
+    start: int  # the position of its root (len(cached) before it)
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    seqs: tuple[tuple[int, ...], ...]  # per node, the branch sequences holding it
+    n_seqs: int  # branch sequences used: 1 .. n_seqs
+
+
+def tree_sequences(parents: Sequence[int]) -> list[list[int]]:
+    """Per node of a tree (parents[i] < i, parents[0] == -1), the sequence ids of the branches
+    through it: leaf j (in node order) is sequence 1 + j, a node holds every leaf's below it."""
+    n = len(parents)
+    assert n >= 1 and parents[0] == -1 and all(-1 < parents[i] < i for i in range(1, n)), "a tree: parents first, one root"
+    is_parent = [False] * n
+    for i in range(1, n):
+        is_parent[parents[i]] = True
+    seqs: list[list[int]] = [[] for _ in range(n)]
+    leaf = 0
+    for i in range(n):
+        if not is_parent[i]:
+            leaf += 1
+            seqs[i].append(leaf)
+    for i in range(n - 1, 0, -1):  # (children come after their parents)
+        seqs[parents[i]].extend(seqs[i])
+    return [sorted(s) for s in seqs]
+
+
+@dataclass(frozen=True)
 class VocabInfo:
     """What the draft/target compatibility rule compares (see compat.py)."""
 
@@ -97,6 +127,7 @@ class LlamaModel:
         flash_attn: str = "auto",
         devices: Sequence[int] | None = None,
         tensor_split: Sequence[float] | None = None,
+        branches: int = 1,
     ):
         """Load `path` (every layer offloaded to the GPU by default) and create its context.
 
@@ -109,6 +140,9 @@ class LlamaModel:
         differ by ~1e-2 in the logits; kv_type="f32" with flash_attn="off" brings that to
         ~1e-5 (what exactness tests on F32 models use).
 
+        branches: the most branches one eval_tree pass may hold (1: no tree passes; more makes
+        the context hold that many sequences besides the main one, in one unified cache).
+
         Raises ModelFileError for a missing/invalid/unloadable file and SpecliError when the
         context cannot be created (e.g. out of memory).
         """
@@ -118,8 +152,12 @@ class LlamaModel:
         check_model_header(path)  # header facts llama.cpp would abort on
         self.path = path
         self._load_weights(n_gpu_layers, devices, tensor_split)
+        if branches < 1:
+            raise ValueError(f"branches must be at least 1, got {branches}")
+        self.max_branches = branches
         self._create_context(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn)
         self.cached: list[int] = []
+        self._tree: _PendingTree | None = None  # an eval_tree pass awaiting keep_branch
         self.synced_new = 0  # tokens the latest sync() evaluated
         # Logits of the newest cached token, when the latest eval produced them (else None).
         self._tail_logits: np.ndarray | None = None
@@ -157,6 +195,12 @@ class LlamaModel:
         """Create this model's own context (`_ctx`) and batch on the loaded weights. If it
         cannot be made (SpecliError) or a Ctrl-C comes meanwhile, the weights are freed too."""
         cparams = context_params(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn)
+        n_seq = 1 if self.max_branches == 1 else 1 + self.max_branches
+        if n_seq > 1:
+            # Branch sequences share the main one's cells (seq_cp adds an id to a cell, copies
+            # nothing): that needs one unified cache, not a stream per sequence.
+            cparams.n_seq_max = n_seq
+            cparams.kv_unified = True
         try:
             ctx = self.new_context(cparams)
         except BaseException:  # Ctrl-C while the context was made: free the weights too
@@ -172,7 +216,7 @@ class LlamaModel:
         # llama.cpp caps the batch at the requested context (-c 32: 32) and aborts the process
         # on a longer decode, while it pads the context itself to 256: chunk by its figure.
         self.n_batch = int(llama_cpp.llama_n_batch(ctx))
-        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, n_seq)
 
     def new_context(self, cparams: llama_cpp.llama_context_params):
         """A new llama.cpp context (llama_context *) on these weights, or None when llama.cpp
@@ -266,6 +310,7 @@ class LlamaModel:
         only these need rows). Rows come from the final batch only. The array is a view of
         llama.cpp's buffer, valid only until the next eval: copy what must outlive it.
         """
+        self.drop_tree()
         if not tokens:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         n_rows = {"all": len(tokens), "last": 1, "none": 0}[logits] if isinstance(logits, str) else logits
@@ -308,8 +353,83 @@ class LlamaModel:
             reason = last_native_error() or f"llama_decode returned {status}"
             raise SpecliError(f"decoding failed at position {pos0}: {reason}")
 
+    def eval_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """Evaluate a token tree after the cache in one pass: tokens[0] (parents[0] == -1)
+        follows the cached context, token i > 0 follows its parent parents[i] < i. Returns one
+        row of logits per token, each conditioned on the context and its own path only (a view,
+        valid until the next pass). Until keep_branch the tree sits beside the cache, which is
+        unchanged; drop_tree, or any other eval, truncate or reset, forgets it (after a Ctrl-C
+        between the pass and keep_branch, the cache is as before the pass).
+
+        How (llama.cpp's examples/lookahead): each leaf's branch is a sequence of its own (1 ..
+        leaves) that first gets the cached context (seq_cp: in the unified cache, the cells
+        gain an id), and a token on several branches carries all their ids. Attention masks by a
+        token's first id, which is a branch through that token: it sees the context and its
+        ancestors, nothing else. Needs: at most max_branches leaves, all tokens in one batch."""
+        self.drop_tree()
+        seqs = tree_sequences(parents)
+        n_leaves = max(max(s) for s in seqs)
+        n = len(tokens)
+        if n_leaves > self.max_branches:
+            raise SpecliError(f"internal: a tree of {n_leaves} branches; this context holds {self.max_branches}")
+        if n > self.n_batch:
+            raise SpecliError(f"internal: a tree of {n} tokens exceeds the batch of {self.n_batch}")
+        if len(self.cached) + n > self.n_ctx:
+            raise SpecliError(f"internal: {len(self.cached)}+{n} tokens exceed the context of {self.n_ctx}")
+        assert self._ctx, "internal: this model's own context was released"
+        start = len(self.cached)
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+        self._tail_logits = None
+        self._tree = _PendingTree(start, tuple(int(t) for t in tokens), tuple(parents), tuple(map(tuple, seqs)), n_leaves)
+        batch = self._batch
+        batch.n_tokens = n
+        with native_pass:  # a Ctrl-C comes out after the bookkeeping
+            for s in range(1, n_leaves + 1):
+                llama_cpp.llama_memory_seq_rm(self._memory, s, -1, -1)
+                llama_cpp.llama_memory_seq_cp(self._memory, 0, s, 0, start)
+            for i in range(n):
+                batch.token[i] = tokens[i]
+                batch.pos[i] = start + depth[i]
+                batch.n_seq_id[i] = len(seqs[i])
+                for j, s in enumerate(seqs[i]):
+                    batch.seq_id[i][j] = s
+                batch.logits[i] = True
+            status = llama_cpp.llama_decode(self._ctx, batch)
+        if status != 0:
+            self.drop_tree()
+            reason = last_native_error() or f"llama_decode returned {status}"
+            raise SpecliError(f"decoding a tree of {n} tokens failed at position {start}: {reason}")
+        with native_pass:  # llama_decode returns before the pass is done: this waits for it
+            ptr = llama_cpp.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab))
+
+    def keep_branch(self, path: Sequence[int]) -> None:
+        """After eval_tree: the cache keeps the tree's nodes `path` (node indices, the root
+        first, each the next one's parent; [] keeps none) after what it held, and forgets
+        every other node and the branch sequences."""
+        tree = self._tree
+        assert tree is not None, "internal: keep_branch follows eval_tree"
+        path = list(path)
+        assert all(tree.parents[b] == a for a, b in zip([-1, *path], path)), "a path from the root"
+        if path:
+            # Any branch through the path's last node holds exactly the path at those positions.
+            branch = tree.seqs[path[-1]][0]
+            llama_cpp.llama_memory_seq_cp(self._memory, branch, 0, tree.start, tree.start + len(path))
+            self.cached.extend(tree.tokens[i] for i in path)
+        self.drop_tree()
+
+    def drop_tree(self) -> None:
+        """Forget a pending tree's branch sequences (the nodes not kept; no-op without one)."""
+        tree, self._tree = self._tree, None
+        if tree is not None and self._ctx:
+            for s in range(1, tree.n_seqs + 1):  # (cells left with no sequence are freed)
+                llama_cpp.llama_memory_seq_rm(self._memory, s, -1, -1)
+
     def truncate(self, n_keep: int) -> None:
         """Forget every cached position >= n_keep. Raises SpecliError if llama.cpp cannot."""
+        self.drop_tree()
         assert 0 <= n_keep, n_keep
         if n_keep >= len(self.cached):
             return
@@ -339,6 +459,7 @@ class LlamaModel:
 
     def reset(self) -> None:
         """Empty the cache."""
+        self.drop_tree()
         if self._ctx:
             llama_cpp.llama_memory_clear(self._memory, True)
         self.cached.clear()
@@ -359,6 +480,7 @@ class LlamaModel:
         self._free_weights()
 
     def _free_context(self) -> None:
+        self._tree = None
         if getattr(self, "_ctx", None):  # (a half-built model has none)
             free_context(self._ctx, self._batch)
             self._ctx = None
@@ -384,6 +506,7 @@ class LlamaModel:
     def forget_untracked(self) -> None:
         """Drop cache entries beyond `cached`. A Ctrl-C between a decode and its bookkeeping can
         leave some behind, and the next positions would then collide with them."""
+        self.drop_tree()
         self._tail_logits = None
         self._remove_from(len(self.cached))
 

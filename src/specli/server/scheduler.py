@@ -96,16 +96,20 @@ class Scheduler:
     def __init__(
         self, loaded: Loaded, *, n_seq: int, queue_limit: int, n_threads: Optional[int] = None, describe=str,
         kv_type: str = "f16", flash_attn: str = "auto", prefill_batch: Optional[int] = None, release_models: bool = False,
+        on_idle: Optional[Callable[[], Optional[float]]] = None,
     ):  # fmt: skip
         """prefill_batch: how many tokens of a new prompt go in between two passes of the other
         slots (default: the context's batch size, so that prompts go in run's very batches).
         release_models: with several slots, free the models' own contexts, which the slots'
-        context replaces (ParallelRunner)."""
+        context replaces (ParallelRunner). on_idle: called by the loop's thread each time it
+        has nothing to do (no request queued or running), before it waits; it returns None, or
+        the seconds after which, still idle, it is to be called again."""
         self.model_tgt = loaded.model_tgt
         self.mode = loaded.plan.mode
         self.draft_length = loaded.decoder.draft_length
         self.queue_limit = queue_limit
         self.describe = describe
+        self.on_idle = on_idle
         if n_seq == 1:
             # the loaded decoder, with the saved -n auto measurements, serves its own setting
             self.loop = StepLoop.on_model(self.model_tgt, DecoderPool(self.model_tgt, loaded.decoder.drafter, self.draft_length, first=loaded.decoder))
@@ -200,11 +204,21 @@ class Scheduler:
             for slot in self.slots:
                 slot.job, slot.seq = None, None
 
+    def _idle(self) -> bool:
+        return not self._stopping and not self._pending and not self._active()
+
     def _loop(self) -> None:
         while True:
+            again = None
+            if self.on_idle is not None:
+                with self._cond:
+                    idle = self._idle()
+                if idle:
+                    again = self.on_idle()  # (outside the lock: requests queue meanwhile)
             with self._cond:
-                while not self._stopping and not self._pending and not self._active():
-                    self._cond.wait()
+                while self._idle():
+                    if not self._cond.wait(timeout=again):
+                        break  # (still idle, and on_idle wanted to be called again by now)
                 if self._stopping:
                     break
                 starts = self._assign()

@@ -164,6 +164,9 @@ def generate(
         if out_path is not None:
             stream.close()
             batch.sort_output(out_path, entries)
+        problem = loaded.save_memory()  # (--memory persist: the finished items' texts, Ctrl-C too)
+        if problem:
+            notice(problem)
     return summary
 
 

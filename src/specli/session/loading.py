@@ -58,9 +58,13 @@ class ModelChoice:
     rpc_timeout: float = RPC_TIMEOUT_S  # seconds a server gets to answer the handshake, and a pass
     # Drafting from memory (MEMORY_MODES): "off", or "process": one TokenMemory for the process
     # (Loaded.memory), every finished generation's prompt and output in it; lookup drafting only;
-    # or "persist" (run and chat): that memory loaded from, and saved to, a file per tokenizer
-    # in cache_dir() (memory_store.py; Loaded.memory_file).
+    # or "persist": that memory loaded from, and saved to, a file per tokenizer in cache_dir()
+    # (memory_store.py; Loaded.memory_file): run and chat after each generation, serve when
+    # idle and at exit, batch at the end (Loaded.save_memory).
     memory: str = MEMORY_OFF
+    # Candidate continuations from memory verified together in one target pass (branches.py):
+    # at most this many (1: the draft alone); the target's context then holds that many sequences.
+    branches: int = 1
 
 
 @dataclass
@@ -102,6 +106,7 @@ class Loaded:
     memory: TokenMemory | None = None
     # With --memory persist: its file (memory_store.MemoryFile; its `notice`: the file was ignored).
     memory_file: MemoryFile | None = None
+    _memory_saved_at: float = float("-inf")
 
     def remember(self, gen: Generation) -> str | None:
         """run and chat: a finished generation's prompt and output (Generation.document: not an
@@ -117,6 +122,24 @@ class Loaded:
             self.memory.add(document)
         self.memory.index()  # (now, while no generation is timed, as MemoryDrafter.remember does)
         return problem
+
+    def save_memory(self, *, every_s: float = 0.0) -> str | None:
+        """serve and batch with --memory persist: save the documents their drafters added to the
+        memory since the last save, if any (at most once every `every_s` seconds); a line for
+        stderr when that failed (they stay for the next save)."""
+        if self.memory_file is None or not self.memory_file.has_pending:
+            return None
+        now = time.monotonic()
+        if now - self._memory_saved_at < every_s:
+            return None
+        self._memory_saved_at = now
+        return self.memory_file.save()
+
+    def memory_save_due(self, every_s: float) -> float | None:
+        """Seconds until save_memory(every_s=every_s) would save (0: now), None with nothing to save."""
+        if self.memory_file is None or not self.memory_file.has_pending:
+            return None
+        return max(0.0, self._memory_saved_at + every_s - time.monotonic())
 
     def close(self) -> None:
         if self.decoder.policy is not None and self.policy_path is not None:
@@ -192,6 +215,8 @@ def plan(choice: ModelChoice) -> Plan:
         raise UsageError(f"--memory must be one of {', '.join(MEMORY_MODES)}, got {choice.memory!r}")
     if choice.memory != MEMORY_OFF and (choice.target_only or choice.draft):  # (before any file is resolved, or downloaded)
         _refuse_memory(choice, "--target-only" if choice.target_only else "-d/--draft")
+    if choice.branches > 1 and choice.memory == MEMORY_OFF:
+        raise UsageError(f"--branches {choice.branches} verifies the memory's other candidates: it needs --memory (process or persist)")
     # Kept although the CLI checks -c too: a library caller's n_ctx of 0 would give the model's
     # whole training context, and one past MAX_CTX would wrap around inside llama.cpp.
     validate_ctx(choice.n_ctx)
@@ -285,7 +310,7 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
     devices_tgt, devices_dft = rpc_devices(choice)
     model_tgt = LlamaModel(
         p.target_path, n_ctx=choice.n_ctx, n_gpu_layers=choice.ngl, n_threads=choice.threads,
-        devices=devices_tgt, tensor_split=choice.tensor_split,
+        devices=devices_tgt, tensor_split=choice.tensor_split, branches=choice.branches,
     )  # fmt: skip
     model_dft = None
     try:

@@ -93,8 +93,10 @@ def write_memory_file(path: Path, data: bytes) -> None:
 
 
 class MemoryFile:
-    """The persisted memory of one tokenizer for one run: `memory` (what the drafter copies
-    from), the file, and this run's documents not yet saved."""
+    """The persisted memory of one tokenizer for one run: `memory` (what the drafters copy
+    from, and add to), the file, and how much of the memory is saved. Documents added to the
+    memory by anyone (MemoryFile.remember, or a server's or batch's drafters) are this run's
+    to save: `save` writes those added since the last save."""
 
     def __init__(self, path: Path, fingerprint: str, memory: TokenMemory, *, usable: bool = True, notice: str | None = None):
         self.path = path
@@ -102,7 +104,17 @@ class MemoryFile:
         self.memory = memory
         self.usable = usable  # False: the file was ignored; this run never writes it
         self.notice = notice  # one line for stderr when the file was ignored
-        self.pending: list[list[int]] = []
+        self._saved = memory.n_added  # memory.n_added at the last save (what the file holds)
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether documents were added since the last save (and the file is this run's to write)."""
+        return self.usable and self.memory.n_added != self._saved
+
+    @property
+    def pending(self) -> list[list[int]]:
+        """This run's documents not yet saved (those the memory still holds)."""
+        return self.memory.added_since(self._saved)
 
     @classmethod
     def open(cls, folder: Path, fingerprint: str, vocab_size: int | None = None) -> "MemoryFile":
@@ -126,13 +138,12 @@ class MemoryFile:
         if not tokens:
             return None
         self.memory.add(tokens)
-        self.pending.append(tokens)
         return self.save()
 
     def save(self) -> str | None:
         """Add this run's unsaved documents to the file (see the module docstring). Returns a
         line for stderr when they could not be saved (they stay pending for the next save)."""
-        if not self.usable or not self.pending:
+        if not self.has_pending:
             return None
         lock = ExclusiveLock(self.path.with_name(self.path.name + ".lock"))
         deadline = time.monotonic() + SAVE_WAIT_S
@@ -156,13 +167,14 @@ class MemoryFile:
                 return f"specli: ignored the token memory {self.path} ({err}); this run does not save it"
             if merged is None:
                 merged = TokenMemory(self.fingerprint, max_tokens=PERSIST_BOUND, vocab_size=self.memory.vocab_size)
+            upto = self.memory.n_added
             try:
                 merged.extend(self.pending)
             except ValueError as err:  # (token ids outside the saved vocabulary)
                 self.usable = False
                 return f"specli: ignored the token memory {self.path} ({err}); this run does not save it"
             write_memory_file(self.path, merged.to_bytes())
-            self.pending = []
+            self._saved = upto
             return None
         except OSError as err:
             return f"specli: the token memory {self.path} cannot be saved ({err.strerror or err})"
