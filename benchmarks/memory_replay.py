@@ -40,6 +40,7 @@ import random
 import re
 import sys
 from pathlib import Path
+from typing import Sequence
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -309,35 +310,47 @@ def replay_workload(texts: list[dict], ns: list[int], max_tokens: int, min_match
     return rows
 
 
-def print_table(title: str, rows: list[dict], ns: list[int], by_category: bool) -> None:
-    """Per group and configuration: tokens per target pass (all tokens / all passes), drafted
-    tokens refused, memory's own drafts accepted, and the modelled speedup over plain decoding,
-    for each of SIDES."""
+def groups_of(rows: list[dict], by_category: bool) -> list[tuple[str, list[dict]]]:
+    """(name, rows) per category (when by_category), then all of them."""
     groups = [("all", rows)]
     if by_category:
         cats = sorted({r["category"] for r in rows})
         groups = [(c, [r for r in rows if r["category"] == c]) for c in cats] + groups
-    print(f"\n### {title}: {len(rows)} texts, {sum(r['n'] for r in rows)} tokens generated")
-    print("each cell: " + " / ".join(SIDES) + f"; speedup modelled on {CPU.label} and {GPU.label}")
-    head = ["group", "n", "draft-max", "tokens per pass", "refused / drafted", "memory accepted / drafted", "speedup CPU", "speedup GPU"]
-    print("| " + " | ".join(head) + " |")
-    print("|" + " --- |" * len(head))
+    return groups
+
+
+def print_rows(groups: list[tuple[str, list[dict]]], configs: list[tuple[str, CostTable | None]], sides: Sequence[str], own: str) -> None:
+    """One markdown row per group and configuration (its label, and the table auto was told, or
+    None: charged on both): tokens per target pass (all tokens / all passes), drafted tokens
+    refused, the drafter under test's own drafts accepted ('{own}_accepted' / '{own}_drafted',
+    every side but the first), and the modelled speedup over plain decoding on CPU and GPU,
+    each cell over `sides`."""
     for name, group in groups:
-        for label, _, told in configs(ns):
+        for label, told in configs:
             tot = {}
-            for side in SIDES:
+            for side in sides:
                 runs = [r["runs"][(label, side)] for r in group]
                 tot[side] = {k: sum(run[k] for run in runs) for k in runs[0]}
             cells = [name, str(len(group)), label]
             cells.append(" / ".join(f"{t['tokens'] / t['passes']:.2f}" for t in tot.values()))
             cells.append(" / ".join(f"{t['refused']}/{t['drafted']}" for t in tot.values()))
-            cells.append(" / ".join(f"{t['memory_accepted']}/{t['memory_drafted']}" for t in list(tot.values())[1:]))
+            cells.append(" / ".join(f"{t[own + '_accepted']}/{t[own + '_drafted']}" for t in list(tot.values())[1:]))
             for table in (CPU, GPU):
                 if told is not None and told is not table:
                     cells.append("")
                 else:
                     cells.append(" / ".join(f"{t['plain ' + table.label] / t['modelled ' + table.label]:.2f}x" for t in tot.values()))
             print("| " + " | ".join(cells) + " |")
+
+
+def print_table(title: str, rows: list[dict], ns: list[int], by_category: bool) -> None:
+    """print_rows for each of SIDES, memory's own drafts as the drafter under test's."""
+    print(f"\n### {title}: {len(rows)} texts, {sum(r['n'] for r in rows)} tokens generated")
+    print("each cell: " + " / ".join(SIDES) + f"; speedup modelled on {CPU.label} and {GPU.label}")
+    head = ["group", "n", "draft-max", "tokens per pass", "refused / drafted", "memory accepted / drafted", "speedup CPU", "speedup GPU"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + " --- |" * len(head))
+    print_rows(groups_of(rows, by_category), [(label, told) for label, _, told in configs(ns)], SIDES, "memory")
 
 
 def tokenized(pairs: list[tuple[str, str]], tok, category: str) -> list[dict]:

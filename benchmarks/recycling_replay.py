@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from memory_replay import CPU, GPU, spec_bench_order  # noqa: E402
+from memory_replay import CPU, GPU, groups_of, print_rows, spec_bench_order  # noqa: E402
 
 from specli.decoding.drafters import PromptLookupDrafter  # noqa: E402
 from specli.decoding.policy import FIXED, AdaptivePolicy  # noqa: E402
@@ -287,8 +287,6 @@ def print_by_prob(by_prob: dict, ns: list[int]) -> None:
 
 
 def print_table(title: str, rows: list[dict], ns: list[int], min_prob: float, kept: bool) -> None:
-    cats = sorted({r["category"] for r in rows})
-    groups = [(c, [r for r in rows if r["category"] == c]) for c in cats] + [("all", rows)]
     print(f"\n### {title}: {len(rows)} texts, {sum(r['n'] for r in rows)} tokens generated")
     print("each cell: " + " / ".join(SIDES) + f" (first token's probability >= {min_prob}); speedup over plain "
           f"modelled on {CPU.label} and {GPU.label} (auto is replayed told one table and charged on it; "
@@ -296,22 +294,7 @@ def print_table(title: str, rows: list[dict], ns: list[int], min_prob: float, ke
     head = ["group", "n", "draft", "tokens per pass", "refused / drafted", "recycled accepted / drafted", "speedup CPU", "speedup flat"]
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head))
-    for name, group in groups:
-        for label, _, told, _ in configs(ns, kept):
-            tot = {}
-            for side in SIDES:
-                runs = [r["runs"][(label, side)] for r in group]
-                tot[side] = {k: sum(run[k] for run in runs) for k in runs[0]}
-            cells = [name, str(len(group)), label]
-            cells.append(" / ".join(f"{t['tokens'] / t['passes']:.2f}" for t in tot.values()))
-            cells.append(" / ".join(f"{t['refused']}/{t['drafted']}" for t in tot.values()))
-            cells.append(" / ".join(f"{t['rec_accepted']}/{t['rec_drafted']}" for t in list(tot.values())[1:]))
-            for table in (CPU, GPU):
-                if told is not None and told is not table:
-                    cells.append("")
-                else:
-                    cells.append(" / ".join(f"{t['plain ' + table.label] / t['modelled ' + table.label]:.2f}x" for t in tot.values()))
-            print("| " + " | ".join(cells) + " |")
+    print_rows(groups_of(rows, by_category=True), [(label, told) for label, _, told, _ in configs(ns, kept)], SIDES, "rec")
 
 
 # --------------------------------------------------------------------------------------------
