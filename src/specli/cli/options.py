@@ -35,7 +35,7 @@ from specli.errors import SettingError, SpecliError, UsageError
 from specli.llama.context import MAX_CTX, MIN_CTX
 from specli.modes import MAX_DRAFT, DraftLength
 from specli.session.memory_store import MAX_BYTES
-from specli.session.loading import MEMORY_BOUND, MEMORY_OFF, MEMORY_PERSIST, MEMORY_PROCESS, Loaded, ModelChoice, Plan, load
+from specli.session.loading import MEMORY_BOUND, MEMORY_OFF, MEMORY_SAVE_EVERY_S, MEMORY_PERSIST, MEMORY_PROCESS, Loaded, ModelChoice, Plan, load
 
 # The defaults are the core's: ModelChoice's (context, offload) and SamplingParams' (llama.cpp's).
 _CHOICE = ModelChoice()
@@ -171,14 +171,14 @@ ShowAccept = Annotated[bool, typer.Option("--show-accept", help="On a terminal, 
 _PERSIST_HELP = (
     "'persist' also keeps every finished generation's prompt and output between runs, in a file per tokenizer in the cache folder "
     f"(mode 0600, at most {MAX_BYTES >> 20} MiB, oldest out first; `specli cache` shows it, `--clear` deletes it) and copies from it "
-    "when the text so far has no match. 'off' (default): it writes your text to disk, and on text with nothing to recall it gains nothing."
+    "when the text so far has no match. 'off' is the default: 'persist' writes your text to disk, and on text with nothing to recall memory gains nothing."
 )
 # batch's and serve's: one memory for the process, or kept between runs too.
 DraftMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIST], typer.Option(
     "--memory", help=(
         "Draft from memory too (with --lookup only): 'process' keeps every finished generation's prompt and output "
         f"(the latest {MEMORY_BOUND:,} tokens, in memory only) and copies from them when the text so far has no match; "
-    ) + _PERSIST_HELP + " With 'persist', serve saves when idle (at most every 30 s) and at exit, batch at the end.",
+    ) + _PERSIST_HELP + f" With 'persist', serve saves when idle (at most every {MEMORY_SAVE_EVERY_S:.0f} s) and at exit, batch at the end.",
 )]  # fmt: skip
 # run's: one generation, so only a memory kept between runs can help it.
 RunMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PERSIST], typer.Option(

@@ -19,11 +19,11 @@ from specli.cli.options import (
 )  # fmt: skip
 from specli.errors import UsageError
 from specli.modes import DraftMode
+from specli.session.loading import MEMORY_SAVE_EVERY_S
 
 commands = typer.Typer()
 
 DEFAULT_QUEUE = 64
-MEMORY_SAVE_EVERY_S = 30.0  # --memory persist: the most often an idle server saves (a save re-reads and writes the file)
 
 
 @commands.command("serve")

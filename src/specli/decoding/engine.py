@@ -818,7 +818,7 @@ class StepLoop:
         results: dict[int, Step | Exception] = dict(failed)
         if not requests:
             return results
-        trees = {s: seqs[s].tree_parents for s in requests if seqs[s].tree_parents is not None}
+        trees = {s: parents for s in requests if (parents := seqs[s].tree_parents) is not None}
         t_pass, cpu_pass = time.perf_counter(), time.process_time()
         try:
             if trees:  # (planned only on a cache with room for branches: ModelPasses' model)

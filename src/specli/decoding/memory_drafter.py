@@ -89,7 +89,8 @@ class MemoryRecord:
     is often right where the rest is not, an earlier text's next word, then its own words).
     A kind whose first position is that low is not drafted but for a probe now and then
     (PROBE_LENGTH tokens, after PROBE_FIRST chances, the wait doubling after each refused probe
-    up to PROBE_MAX; an accepted one reopens it); a new kind starts with a probe. The counts
+    up to PROBE_MAX; an accepted one reopens it, and should it close again its first probe waits
+    as long as the last one did); a new kind starts with a probe. The counts
     decay towards the prior (a window of about WINDOW drafts), so a position no longer drafted
     is tried again after a while. On text with nothing to recall memory then costs a few
     refused tokens, not a draft a step. A fixed --draft-max obeys it too; under auto the judge
@@ -122,7 +123,7 @@ class MemoryRecord:
             k.interval = 0
             n = n_max if good.all() else int(np.argmin(good))  # (beyond POSITIONS: the last one's rate)
             return min(n, n_max), False
-        if k.interval == 0:  # just closed (or new)
+        if k.interval == 0:  # just closed (or new: wait 1, a probe now; closed again: the last wait)
             k.interval = self.PROBE_FIRST
             k.wait = k.wait or self.PROBE_FIRST
         k.wait -= 1

@@ -33,6 +33,7 @@ from specli.llama.rpc import RPC_TIMEOUT_S
 MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIST = "off", "process", "persist"
 MEMORY_MODES = (MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIST)
 MEMORY_BOUND = 1_000_000  # tokens --memory process keeps at most (the oldest generations go first)
+MEMORY_SAVE_EVERY_S = 30.0  # serve --memory persist: the most often an idle server saves (a save re-reads and writes the file)
 
 
 @dataclass
