@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the native llama.cpp binaries that benchmarks/bench_lookup.py compares specli against,
+# Build the native llama.cpp binaries that benchmarks/bench.py compares specli against,
 # with llama.cpp's RPC backend (-DGGML_RPC=ON: the tools take --rpc HOST:PORT) and its RPC server.
 #
 # Usage: benchmarks/build_native.sh [DIR]        (default DIR=/tmp/specli-native)
@@ -30,8 +30,8 @@ BIN="$LLAMA/build/bin"
 # llama-completion: a same-prompt plain-decoding cross-check (takes -t/-f, prints its decode
 # "eval time" rate). llama-simple is not built: it prints a speed, but it cannot set threads
 # and its timed loop includes the prompt's decode.
-# llama-server (tools/server): the yardstick for `specli serve` (benchmarks/serve_vs_native.py).
-# ggml-rpc-server (tools/rpc): llama.cpp's rpc-server (docs/rpc.md, benchmarks/rpc_delay.py);
+# llama-server (tools/server): the yardstick for `specli serve` (bench.py serve, memory, completion).
+# ggml-rpc-server (tools/rpc): llama.cpp's rpc-server (docs/rpc.md, bench.py rpc);
 # this llama.cpp names the binary ggml-rpc-server, so an `rpc-server` link to it is made too.
 TARGETS=(ggml-rpc-server llama-speculative-simple llama-bench llama-completion llama-server)
 
