@@ -19,7 +19,7 @@ from specli.decoding.parallel import ItemDone, ParallelRunner, run_sequential
 from specli.decoding.drafters import make_drafter
 from specli.llama.model import LlamaModel
 from specli.decoding.sampling import GREEDY, SamplingParams
-from fixtures.cli import GREEDY_ARGS, ONE, PROMPTS, assert_one_line_error, read_records, specli, write_jsonl
+from fixtures.cli import GREEDY_ARGS, ONE, PROMPTS, assert_one_line_error, popen, read_records, specli, write_jsonl
 
 
 def run_json(target: str, prompt: str, *args: str) -> dict:
@@ -151,7 +151,7 @@ def many_items(tmp_path: Path, n: int) -> Path:
 
 def start_batch(src: Path, out: Path, target: str, *extra: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "specli", "batch", str(src), "-o", str(out), "-m", target, "--lookup", "--max-tokens", "48", *GREEDY_ARGS, *extra]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_lines(out: Path, proc: subprocess.Popen, n: int) -> None:

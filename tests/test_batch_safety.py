@@ -17,7 +17,7 @@ import pytest
 
 from specli.session import batch
 from specli.decoding.sampling import GREEDY
-from fixtures.cli import GREEDY_ARGS, PROMPTS, assert_one_line_error, read_records, specli, write_jsonl
+from fixtures.cli import GREEDY_ARGS, PROMPTS, assert_one_line_error, popen, read_records, specli, write_jsonl
 
 COMMON = ["--target-only", "--max-tokens", "6", *GREEDY_ARGS]
 RECORD = {"id": 1, "line": 1, "text": "a", "token_ids": [5], "n_tokens": 1, "stop_reason": "length", "stats": {}}
@@ -139,7 +139,7 @@ def tokens(path: Path) -> list:
 def start_on_stdin(out: Path, target: str) -> subprocess.Popen:
     """A batch reading its input from stdin: it takes the lock, then waits for the input."""
     args = [sys.executable, "-m", "specli", "batch", "-", "-o", str(out), "-m", target, *COMMON]
-    return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_lock(out: Path, proc: subprocess.Popen) -> None:
@@ -263,8 +263,26 @@ def test_an_atomic_write_to_a_fifo_or_device_writes_through_it(tmp_path):
     fifo = tmp_path / "out.fifo"
     os.mkfifo(fifo)
     got: list[bytes] = []
-    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
-    reader.start()
-    write_atomically(fifo, ["first", "second"])
-    reader.join(30)
+    # The reader is open before the write: a FIFO with no reader is refused at once (below),
+    # and a reader thread might not have reached its open() yet.
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        write_atomically(fifo, ["first", "second"])
+        while chunk := os.read(reader, 1 << 16):
+            got.append(chunk)
+    finally:
+        os.close(reader)
     assert got == [b"first\nsecond\n"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    # No reader: ENXIO at once, naming it (a plain open would wait for a reader for ever).
+    done: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            write_atomically(fifo, ["third"])
+        except OSError as err:
+            done.append(err)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    writer.join(10)
+    assert done and "FIFO (named pipe) with no reader" in str(done[0]), "a write to a FIFO with no reader blocked"

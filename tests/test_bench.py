@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from specli.session import bench
+from specli.session import bench, costs
 from specli.errors import UsageError
 from specli.modes import DraftLength
 
@@ -266,6 +266,132 @@ def test_a_speedup_above_tokens_per_pass_is_flagged_impossible(capsys):
     assert "One round: noise unmeasured" in out  # --repeat 1: said once, before the verdicts
 
 
+# --- pass costs: what the machine allows drafting at best ------------------------------------
+
+# The llama-bench figures for Qwen2.5-Coder 1.5B Q4_K_M on 2 cores (T(1) = 34.8 ms, then
+# T(k)/T(1) at k = 2/4/8/16) and its 0.5B draft at 0.58 of a target token.
+QWEN_T = {1: 34.8e-3, 2: 34.8e-3 * 1.52, 4: 34.8e-3 * 2.34, 8: 34.8e-3 * 4.93, 16: 34.8e-3 * 5.80}
+QWEN_TD = 0.58 * 34.8e-3
+
+
+def test_lookup_ceiling_is_tokens_per_pass_over_the_pass_cost():
+    c = costs.lookup_ceiling(QWEN_T)
+    assert (c.speedup, c.n, c.width) == (pytest.approx(16 / 5.80), 15, 16)  # 2.76x
+    narrow = costs.lookup_ceiling({k: v for k, v in QWEN_T.items() if k <= 4})
+    assert (narrow.speedup, narrow.n) == (pytest.approx(4 / 2.34), 3)  # 1.71x
+    assert costs.lookup_ceiling({1: 0.01, 2: 0.03}).speedup == 1.0  # wide passes dearer than narrow ones: N=0
+
+
+def test_draft_ceiling_charges_each_draft_token():
+    # N = 1, 3, 7: (N+1) / (T(N+1)/T(1) + 0.58 N) = 0.952, 0.980, 0.891: below 1 even with every draft accepted.
+    upto8 = {k: v for k, v in QWEN_T.items() if k <= 8}
+    c = costs.draft_ceiling(upto8, QWEN_TD)
+    assert (c.speedup, c.n, c.width) == (pytest.approx(4 / (2.34 + 3 * 0.58)), 3, 4) and c.speedup < 1
+    assert costs.draft_ceiling({1: 1.0, 2: 1.52}, 0.58).speedup == pytest.approx(2 / 2.10)  # 0.95x at N=1
+    assert costs.break_even_alpha(upto8, QWEN_TD) is None  # no acceptance rate pays
+    # With width 16 measured, N = 15 reaches 16 / (5.80 + 15 * 0.58) = 1.10x, and only near α = 0.99.
+    wide = costs.draft_ceiling(QWEN_T, QWEN_TD)
+    assert (wide.speedup, wide.n) == (pytest.approx(16 / 14.5), 15)
+    assert costs.break_even_alpha(QWEN_T, QWEN_TD) == pytest.approx(0.987, abs=1e-3)
+    # Flat passes and a cheap draft (a GPU): (1 - α^2)/(1 - α) = 1 + α = 1.1 breaks even at α = 0.1.
+    assert costs.break_even_alpha({1: 1.0, 2: 1.0}, 0.1) == pytest.approx(0.1)
+    assert (costs.alpha_text(0.987), costs.alpha_text(0.998)) == ("0.99", "0.998")  # not "1.00": that reads impossible
+
+
+def test_the_conclusion_says_whether_drafting_can_pay():
+    cpu = costs.PassCosts({k: v for k, v in QWEN_T.items() if k <= 8}, QWEN_TD)
+    text = costs.conclusion(cpu)
+    assert text.startswith("With this draft model drafting cannot pay on this machine, even if every draft were accepted (at most 0.98x, at N=3)")
+    assert "prompt lookup can gain up to 1.71x (N=3) where the text repeats its input (--lookup)" in text
+    gpu = costs.conclusion(costs.PassCosts({1: 0.010, 4: 0.0102, 16: 0.011}, 0.001))
+    assert gpu.startswith("Wide passes are nearly free here (16 tokens cost 1.10x one): with this draft model drafting can gain at most")
+    assert "cannot" not in costs.conclusion(costs.PassCosts(QWEN_T, None))  # lookup only: no draft model to judge
+    assert ("can gain at most 1.10x (N=15) if every draft is accepted, and breaks even from a per-token acceptance of "
+            "0.99, which a draft model rarely keeps up") in costs.conclusion(costs.PassCosts(QWEN_T, QWEN_TD))  # fmt: skip
+
+
+def test_the_costs_json_object():
+    doc = costs.PassCosts(QWEN_T, QWEN_TD, depth=128, samples=5).to_json()
+    assert doc["relative"]["4"] == pytest.approx(2.34) and doc["draft_relative"] == pytest.approx(0.58)
+    assert doc["lookup_ceiling"] == {"speedup": pytest.approx(16 / 5.80), "n": 15, "width": 16}
+    assert doc["draft_ceiling"]["n"] == 15 and doc["draft_break_even_alpha"] == pytest.approx(0.987, abs=1e-3)
+    json.dumps(doc)
+    lookup_only = costs.PassCosts(QWEN_T).to_json()
+    assert lookup_only["draft_s"] is None and lookup_only["draft_ceiling"] is None
+
+
+def test_a_draft_ceiling_below_one_makes_the_verdict_no():
+    capped = costs.PassCosts({k: v for k, v in QWEN_T.items() if k <= 8}, QWEN_TD)
+    for speedup in (0.7, 1.1):  # "no" and "maybe" alike: the measured prices allow no gain
+        word, why = bench.verdict(row(speedup=speedup), costs=capped)
+        assert word == "no"
+        assert "drafting with this draft model cannot pay on this machine" in why and "at most 0.98x (N=3)" in why
+        assert "use --target-only, or --lookup for copy-heavy work" in why
+    # 1.5x above a 0.98x ceiling: one of the two measurements is wrong.
+    word, why = bench.verdict(row(speedup=1.5), costs=capped)
+    assert word == bench.WITHIN_NOISE and "measurement fault" in why
+    # Lookup is not bound by the draft model's ceiling.
+    assert bench.verdict(row(speedup=1.5), lookup=True, costs=capped)[0] == "yes"
+    # A ceiling above 1 that needs near-perfect acceptance: the reason names it.
+    word, why = bench.verdict(row(speedup=0.8, acceptance=0.8), costs=costs.PassCosts(QWEN_T, QWEN_TD))
+    assert word == "no" and "per-token probability 0.99 to break even, measured α 0.80: use --target-only" in why
+    # Cheap wide passes (a GPU): break-even at α 0.1, so a draft below it is the draft's fault.
+    gpu = costs.PassCosts({1: 1.0, 2: 1.0}, 0.1)
+    assert "break even, measured α 0.05: try a better-matched draft" in bench.verdict(row(speedup=0.8, acceptance=0.05), costs=gpu)[1]
+
+
+def test_the_report_shows_the_pass_costs_before_the_verdicts(capsys):
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from specli.cli import bench as cli_bench
+    from specli.modes import DraftMode
+
+    capped = costs.PassCosts({k: v for k, v in QWEN_T.items() if k <= 8}, QWEN_TD)
+    plan = SimpleNamespace(mode=DraftMode.DRAFT_MODEL, target_path=Path("t.gguf"), draft_path=Path("d.gguf"))
+    cli_bench._report([row("a", 0, 1.0), row("a", 3, 0.8)], {}, plan, [3], 1, costs=capped)
+    out = " ".join(capsys.readouterr().out.split())  # (Rich wraps long lines off a terminal)
+    assert "1 token 34.8 ms = 1; 2 tokens 1.52x, 4 tokens 2.34x, 8 tokens 4.93x; a draft-model token 0.58x" in out
+    assert "prompt lookup 1.71x (N=3), this draft model 0.98x (N=3)" in out
+    assert out.index("drafting cannot pay on this machine") < out.index("a: use speculative decoding? no")
+    assert out.endswith("use --target-only, or --lookup for copy-heavy work")
+
+
+def test_measured_costs_have_every_width_and_leave_the_caches_empty(pair_perturbed):
+    from conftest import load
+
+    target, draft = (load(p) for p in pair_perturbed)
+    try:
+        measured = costs.measure(target, draft, samples=2)
+        assert set(measured.target_s) == set(costs.WIDTHS) and all(t > 0 for t in measured.target_s.values())
+        assert measured.relative()[1] == 1.0 and all(r > 0 for r in measured.relative().values())
+        assert measured.draft_s > 0 and measured.draft is not None and measured.lookup.speedup >= 1.0
+        assert target.cached == [] and draft.cached == []
+        assert costs.measure(target, None, samples=1).draft_s is None
+    finally:
+        target.close()
+        draft.close()
+
+
+@pytest.mark.real_pair
+@pytest.mark.slow
+def test_measured_costs_on_the_real_pair(qwen_pair):
+    from specli.llama.model import LlamaModel
+    from specli.llama.native import init_backend
+
+    init_backend()
+    target, draft = (LlamaModel(p, n_ctx=512, n_threads=1) for p in qwen_pair)
+    try:
+        measured = costs.measure(target, draft, samples=3)
+    finally:
+        target.close()
+        draft.close()
+    rel = measured.relative()
+    assert set(rel) == set(costs.WIDTHS) and all(r > 0 for r in rel.values()) and 0 < measured.draft_relative
+    assert measured.draft is not None and measured.lookup.speedup >= 1.0
+    assert costs.conclusion(measured).endswith("(--lookup).")
+
+
 # --- schedule ------------------------------------------------------------------------------
 
 
@@ -373,7 +499,11 @@ def test_bench_command_runs_every_configuration(pair_perturbed, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     doc = json.loads(out_json.read_text(encoding="utf-8"))
-    assert set(doc) == {"settings", "runs", "summary", "held_out_best"}
+    assert set(doc) == {"settings", "runs", "summary", "held_out_best", "costs"}
+    # The pass costs measured on the pair: no timing thresholds, only their shape.
+    assert set(doc["costs"]["relative"]) == {"1", "2", "4", "8", "16"} and doc["costs"]["relative"]["1"] == 1.0
+    assert all(r > 0 for r in doc["costs"]["relative"].values()) and doc["costs"]["draft_relative"] > 0
+    assert doc["costs"]["draft_ceiling"]["n"] >= 1 and doc["costs"]["lookup_ceiling"]["speedup"] >= 1.0
     assert doc["held_out_best"] == {}  # one round: nothing to pick N on and score it elsewhere
     assert doc["settings"]["ns"] == [1, 3] and doc["settings"]["sampling"]["greedy"] is True
     runs = doc["runs"]
@@ -394,6 +524,9 @@ def test_bench_command_runs_every_configuration(pair_perturbed, tmp_path):
     # The report: a table per scenario and a verdict each, nothing from the progress bar.
     assert "use speculative decoding?" in result.stdout
     assert result.stdout.count("use speculative decoding?") == 2 and "Best fixed N overall" in result.stdout
+    assert "Pass costs here (target, after 128 tokens of context" in result.stdout
+    assert "Ceilings over target-only with every draft accepted: prompt lookup" in result.stdout
+    assert "measuring pass costs" not in result.stderr  # (the spinner: a terminal's only)
 
 
 def test_bench_usage_errors_are_one_line(tmp_path):

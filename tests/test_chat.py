@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from fixtures.cli import popen
 from specli.session.chat import MessageTooLong, fit_conversation, read_message, render_plain
 
 GREEDY = ("--temperature", "0")
@@ -199,7 +200,7 @@ class Pty:
         import pty
 
         master, slave = pty.openpty()
-        proc = subprocess.Popen(
+        proc = popen(
             [sys.executable, "-m", "specli", "chat", *args],
             stdin=slave, stdout=slave, stderr=slave, close_fds=True,
         )
@@ -410,3 +411,26 @@ def test_save_keeps_a_symlink_and_the_mode(session, tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(fresh).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_save_to_a_fifo_with_no_reader_is_a_notice_at_once(session, tmp_path):
+    # A plain open for writing waits for a reader for ever (issue 40, item 9): a notice instead,
+    # and the session goes on; with a reader there, the save is written through the FIFO.
+    import threading
+
+    fifo = tmp_path / "chat.fifo"
+    os.mkfifo(fifo)
+    done = threading.Event()
+    threading.Thread(target=lambda: (session._save(str(fifo)), done.set()), daemon=True).start()
+    assert done.wait(10), "/save to a FIFO with no reader blocked"
+    notice = session.err.getvalue()
+    assert f"/save: cannot write {fifo}: it is a FIFO (named pipe) with no reader" in notice and "kept as it was" not in notice
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        session._save(str(fifo))
+        chunks = []
+        while chunk := os.read(reader, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(reader)
+    assert json.loads(b"".join(chunks))["messages"][1]["content"] == "hello"

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from fixtures.cli import assert_one_line_error, specli
+from fixtures.cli import ONE, assert_one_line_error, default_signals, popen, specli
 
 JSON_KEYS = {"text", "token_ids", "n_tokens", "stop_reason", "target", "draft", "n_draft", "sampling", "seed", "stats"}
 STATS_KEYS = {
@@ -230,7 +231,7 @@ def test_default_model_end_to_end(gemma_path):
 @pytest.mark.gemma
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "SIGTERM"])
 def test_ctrl_c_keeps_the_text_and_exits_130(gemma_path, sig):
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, "-m", "specli", "run", "Write a very long story about a dragon.", "--max-tokens", "4000",
          "--target-only"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -249,7 +250,7 @@ def test_ctrl_c_keeps_the_text_and_exits_130(gemma_path, sig):
 @pytest.mark.gemma
 def test_sigterm_ends_chat_not_only_the_reply(gemma_path):
     # Ctrl-C during a reply stops the reply and chat goes on; SIGTERM (`kill`, `timeout`) ends it.
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, "-m", "specli", "chat", "--max-tokens", "4000", "--target-only", "-q"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
@@ -261,22 +262,122 @@ def test_sigterm_ends_chat_not_only_the_reply(gemma_path):
     assert proc.returncode == 130 and b"Traceback" not in err, err
 
 
+def read_to_the_end(*fds: int) -> list[bytes]:
+    """Each of `fds` read to its end, together (a child blocked writing one never closes the
+    other). A terminal's end is EIO, once the child has closed it."""
+    data = {fd: b"" for fd in fds}
+    left = list(fds)
+    while left:
+        ready, _, _ = select.select(left, [], [], 60)
+        assert ready, {fd: d[-400:] for fd, d in data.items()}
+        for fd in ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            data[fd] += chunk
+            if not chunk:
+                left.remove(fd)
+    return [data[fd] for fd in fds]
+
+
 @pytest.mark.gemma
 def test_sigterm_keeps_the_json_of_what_was_generated(gemma_path):
     # What `timeout`, `kill` and `docker stop` send: the JSON still comes, marked interrupted.
-    proc = subprocess.Popen(
+    # stderr is a terminal, so the live line says when tokens are coming (no sleep that a loaded
+    # machine outlasts while the model loads); 30,000 tokens take minutes even on a GPU.
+    term, slave = pty.openpty()
+    with popen(
         [sys.executable, "-m", "specli", "run", "Write a very long story about a dragon.", "-c", "32768", "--max-tokens", "30000",
          "--target-only", "--json", "--temp", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
-    time.sleep(8)  # the model loads in about a second; 30,000 tokens take minutes even on a GPU
-    assert proc.poll() is None
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+        stdout=subprocess.PIPE, stderr=slave,
+    ) as proc:
+        os.close(slave)
+        try:
+            err = b""
+            while b"tok/s" not in err:
+                ready, _, _ = select.select([term], [], [], 120)
+                assert ready and proc.poll() is None, err
+                err += os.read(term, 4096)
+            proc.send_signal(signal.SIGTERM)
+            out, rest = read_to_the_end(proc.stdout.fileno(), term)
+            err += rest
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            os.close(term)
     assert proc.returncode == 130, err
     result = json.loads(out)
     assert result["stop_reason"] == "interrupted" and result["n_tokens"] > 0
     assert b"Traceback" not in err
+
+
+def read_available(fd: int) -> bytes:
+    """What the pipe holds now, without waiting for more."""
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    except BlockingIOError:
+        pass
+    finally:
+        os.set_blocking(fd, True)
+    return data
+
+
+def read_up_to(fd: int, n: int) -> bytes:
+    """n bytes from the pipe, or fewer if it ends first."""
+    data = b""
+    while len(data) < n and (chunk := os.read(fd, min(n - len(data), 65536))):
+        data += chunk
+    return data
+
+
+def ignore_sigint() -> None:
+    """What a shell gives a background job (`specli run ... &`): SIGINT ignored."""
+    default_signals()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+# Far more than specli writes after a SIGINT it hears: it stops within one step (one token).
+AFTER_SIGINT = 1024
+
+
+@pytest.mark.gemma
+def test_a_background_job_ignores_ctrl_c_and_still_ends_on_sigterm(gemma_path):
+    # A Ctrl-C at the terminal is for the foreground job: specli keeps the SIGINT it was started
+    # ignoring ignored, and still ends on SIGTERM (`kill %1`) with the text kept.
+    with subprocess.Popen(
+        [sys.executable, "-m", "specli", "run", "Write a very long story about a dragon.", "--max-tokens", "4000",
+         "--target-only", "--temp", "0", *ONE],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ignore_sigint,
+    ) as proc:  # fmt: skip
+        out = proc.stdout.fileno()
+        try:
+            text = read_up_to(out, 20)  # streaming: specli's own handlers are in place
+            assert text
+            # The SIGINT comes while the process is stopped and all it wrote has been read: what
+            # it writes after SIGCONT is written after the SIGINT, whenever the scheduler runs it.
+            proc.send_signal(signal.SIGSTOP)
+            _, status = os.waitpid(proc.pid, os.WUNTRACED)
+            assert os.WIFSTOPPED(status), status
+            text += read_available(out)
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGCONT)
+            after = read_up_to(out, AFTER_SIGINT)
+            assert len(after) == AFTER_SIGINT, (after, proc.stderr.read())  # it went on generating
+            proc.send_signal(signal.SIGTERM)
+            rest = read_up_to(out, 1 << 30)  # to the end
+            err = proc.stderr.read()
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 130, err
+    assert b"stop: interrupted" in err and b"Traceback" not in err, err
+    (text + after + rest).decode("utf-8")  # the text streamed before SIGTERM stays, whole UTF-8
 
 
 def test_no_arguments_prints_the_help():

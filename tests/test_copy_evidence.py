@@ -97,4 +97,7 @@ def test_a_saved_state_that_says_drafting_never_pays_is_overruled_by_a_long_matc
     policy = AdaptivePolicy(64)
     policy.seed(saved)
     lengths = [step(policy, 24 + 8 * i) for i in range(6)]  # text copied verbatim
-    assert lengths[0] >= 8 and min(lengths) >= 8, lengths
+    # Drafted at every step, long at once; while the run's own wide passes check the saved costs
+    # (SEED_CHECKS), the cost line mixes both and a draft or two is shorter; once they are
+    # dropped, long again.
+    assert lengths[0] >= 8 and min(lengths) > 0 and policy.seed_status == "dropped" and min(lengths[-2:]) >= 8, lengths

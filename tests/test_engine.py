@@ -315,6 +315,34 @@ def test_end_of_generation_token_stops_and_is_not_emitted(perturbed, monkeypatch
     assert gen.token_ids == reference.token_ids[:first]
 
 
+def test_plain_decoding_reads_one_token_per_pass_when_it_ends_at_eos(perturbed, monkeypatch):
+    """The pass that makes the end-of-generation token counts, and so does that token: plain
+    decoding reads exactly 1.0 tokens per pass, and drafting 1 + accepted / passes."""
+    model_tgt, model_dft = perturbed
+    ids = model_tgt.tokenize(PROMPTS[0])
+    stop_token = target_only(model_tgt, ids).token_ids[9]
+    monkeypatch.setattr(model_tgt, "is_eog", lambda token: token == stop_token)
+    plain = target_only(model_tgt, ids)
+    assert plain.stop_reason == "eos" and plain.stats.n_tokens < plain.stats.target_passes
+    assert plain.stats.mean_tokens_per_pass == 1.0
+    st = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 4).generate(ids, max_tokens=MAX_TOKENS).run().stats
+    assert st.mean_tokens_per_pass == pytest.approx(1 + st.accepted / st.target_passes)
+
+
+def test_a_reply_made_by_the_prompts_pass_alone_has_no_decoding_speed(perturbed):
+    """A one-token reply comes out of the pass that finished the prompt (prompt time): it has
+    no decoding speed (was: a token over ~0 s, a million tokens per second)."""
+    model_tgt, _ = perturbed
+    ids = model_tgt.tokenize(PROMPTS[0])
+    model_tgt.reset()  # (a prompt already in the cache leaves the first pass none of it: a decoding pass)
+    one = SpeculativeDecoder(model_tgt, None, 0).generate(ids, max_tokens=1).run().stats
+    assert one.n_tokens == 1 and one.tokens_per_s is None and one.to_dict()["tokens_per_s"] is None
+    model_tgt.reset()
+    more = SpeculativeDecoder(model_tgt, None, 0).generate(ids, max_tokens=8).run().stats
+    assert more.prompt_reused == 0
+    assert more.tokens_per_s == pytest.approx(7 / more.generation_s)  # the 7 tokens decoded after the prompt's pass
+
+
 def test_prompt_errors(perturbed):
     model_tgt, _ = perturbed
     decoder = SpeculativeDecoder(model_tgt, PromptLookupDrafter(), 5)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.cli import assert_one_line_error, specli
+from fixtures.cli import assert_one_line_error, default_signals, popen, specli
 
 ONE = ["--threads", "1"]
 REPEATING = "1 2 3 1 2 3 1 2 3 1 2 3"  # prompt lookup drafts long copies of it
@@ -173,7 +173,7 @@ def test_ctrl_c_while_the_model_loads_stops_it(pair_perturbed):
     target = str(pair_perturbed[0])
     read_end, write_end = os.pipe()
     fcntl.fcntl(write_end, F_SETPIPE_SZ, 4096)
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, "-m", "specli", "run", "hello", "-m", target, "--verbose", *ONE, "--max-tokens", "200"],
         stdout=subprocess.PIPE, stderr=write_end,
     )
@@ -212,7 +212,8 @@ IMPORT_INTERRUPT = textwrap.dedent("""
 
 
 def test_ctrl_c_while_specli_imports_is_one_line_and_exit_130():
-    result = subprocess.run([sys.executable, "-c", IMPORT_INTERRUPT], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", IMPORT_INTERRUPT], capture_output=True, text=True, timeout=60,
+                            preexec_fn=default_signals)  # it sends itself the SIGINT
     assert result.returncode == 130, result.stderr
     assert result.stderr == "specli: interrupted\n" and result.stdout == ""
 
@@ -367,3 +368,98 @@ def test_parallel_and_gpu_layers_beyond_their_maximum_are_refused(pair_perturbed
         assert_one_line_error(result, 2, option, "-1 (all layers)", "0 to 10,000", value)
     result = specli("fit", "-m", target, "--ngl", str(2**32))
     assert_one_line_error(result, 2, "--ngl", "0 to 10,000")
+
+
+# --- issue 40: paths that are no files, outputs that cannot be reached ----------------------------
+@pytest.mark.parametrize("kind", ["fifo", "socket", "device"])
+def test_a_model_path_that_is_no_regular_file_is_refused_at_once(tmp_path, pair_perturbed, kind):
+    # Opening a FIFO to read it waits for a writer for ever (it hung `run` and `fit`; Ctrl-C ended
+    # it without a line); a socket cannot be opened; a device would be read as a model. Every
+    # option taking a model path, in every command, refuses it unopened: one line, exit 2.
+    import socket
+
+    target = str(pair_perturbed[0])
+    if kind == "device":
+        path = "/dev/zero"
+    else:
+        path = str(tmp_path / "m.gguf")
+        if kind == "fifo":
+            os.mkfifo(path)
+        else:
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(path)
+    words = {"fifo": "is a FIFO (named pipe), not a regular file", "socket": "is a socket, not a regular file",
+             "device": "is a character device, not a regular file"}[kind]  # fmt: skip
+    cases = [["run", "hi", "-m", path, *ONE], ["run", "hi", "-m", target, "-md", path, *ONE], ["chat", "-m", path, *ONE],
+             ["batch", "-", "-m", path, *ONE], ["batch", "-", "-m", target, "--draft", path, *ONE], ["bench", "-m", path, *ONE],
+             ["serve", "-m", path, "--port", "0", *ONE], ["fit", "-m", path], ["fit", "-m", target, "-md", path]]  # fmt: skip
+    for args in cases:
+        result = specli(*args, stdin="hi\n", timeout=30)
+        assert_one_line_error(result, 2, path, words)
+
+
+def closed_stdout() -> None:
+    os.close(1)  # as the shell's `>&-` leaves it (preexec_fn: in the child, before specli starts)
+
+
+def test_a_closed_stdout_is_one_line_before_any_work(tmp_path, pair_perturbed):
+    # Was: the whole generation, then AttributeError: 'NoneType' object has no attribute 'write'.
+    # The model named does not exist: the closed stdout is found first, before any model is looked at.
+    missing = str(tmp_path / "not-there.gguf")
+    prompts = tmp_path / "in.txt"
+    prompts.write_text("hello\nworld\n")
+    cases = [["run", "hi", "-m", missing], ["run", "hi", "-m", missing, "--json"], ["chat", "-m", missing],
+             ["batch", str(prompts), "-m", missing], ["bench", "-m", missing], ["fit", "-m", missing],
+             ["models"], ["models", "--json"], ["cache"], ["cache", "--json"]]  # fmt: skip
+    env = {**os.environ, "SPECLI_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    for args in cases:
+        result = subprocess.run([sys.executable, "-m", "specli", *args], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                preexec_fn=closed_stdout, timeout=60, env=env)  # fmt: skip
+        assert result.returncode == 1, (args, result.stderr)
+        one_line(result.stderr, "specli: error: stdout is closed")
+    # What needs no stdout still runs: batch to a file (and nothing lands in the file opened first).
+    out = tmp_path / "out.jsonl"
+    result = subprocess.run([sys.executable, "-m", "specli", "batch", str(prompts), "-m", str(pair_perturbed[0]), "-o", str(out),
+                             *ONE, "--max-tokens", "2", "-q"], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=closed_stdout, timeout=120, env=env)  # fmt: skip
+    assert result.returncode == 0 and result.stderr == b"", result.stderr
+    assert [r["id"] for r in records(out)] == [1, 2]
+
+
+def test_an_output_fifo_with_no_reader_is_refused_before_the_models_load(tmp_path):
+    # A FIFO with no reader blocked `batch --summary` for good, after the whole batch. Checked
+    # with the other outputs, before -m is looked at (the model here does not exist).
+    missing = str(tmp_path / "not-there.gguf")
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    for args, option in ((["batch", "-", "-o", str(tmp_path / "o.jsonl"), "--summary", str(fifo)], "the --summary file"),
+                         (["bench", "--json", str(fifo)], "the --json file"), (["bench", "--csv", str(fifo)], "the --csv file")):  # fmt: skip
+        result = specli(*args, "-m", missing, *ONE, stdin="hi\n", timeout=30)
+        assert_one_line_error(result, 2, f"cannot write {option} {fifo}: it is a FIFO (named pipe) with no reader", "start what reads it first")
+
+
+def test_an_output_fifo_with_a_reader_gets_the_summary_and_a_reader_that_left_is_one_line(tmp_path, pair_perturbed):
+    import threading
+
+    target = str(pair_perturbed[0])
+    prompts = tmp_path / "in.txt"
+    prompts.write_text("hello\nworld\n")
+    fifo = tmp_path / "summary.fifo"
+    os.mkfifo(fifo)
+    batch = ["batch", str(prompts), "-m", target, *ONE, "--max-tokens", "2", "-q", "--summary", str(fifo)]
+    # A reader such as `cat FIFO`: the up-front check must not end it (it reads until the last writer closes).
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    result = specli(*batch, "-o", str(tmp_path / "a.jsonl"), timeout=120)
+    reader.join(30)
+    assert result.returncode == 0, result.stderr
+    assert got and json.loads(got[0])["done"] == 2
+    # A reader that leaves before the summary is written: one line saying where the records are.
+    def leave() -> None:
+        os.close(os.open(fifo, os.O_RDONLY))  # (returns once specli has opened it to check it)
+
+    threading.Thread(target=leave, daemon=True).start()
+    result = specli(*batch, "-o", str(tmp_path / "b.jsonl"), timeout=120)
+    assert_one_line_error(result, 1, f"cannot write the --summary file {fifo}", f"the records themselves are written in {tmp_path / 'b.jsonl'}")
+    assert len(records(tmp_path / "b.jsonl")) == 2

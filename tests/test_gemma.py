@@ -8,12 +8,11 @@ logit margin, for the logits recomputed one token at a time along the emitted pr
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specli.decoding.engine import SpeculativeDecoder
-from fixtures.helpers import convert
+from fixtures.helpers import convert, greedy_gaps
 from specli.llama.model import LlamaModel
 
 pytestmark = pytest.mark.gemma
@@ -40,19 +39,6 @@ def variance(values):
 def mean(values: list[float]) -> float:
 '''
 STORY_PROMPT = "Once upon a time, in a village at the edge of a great forest, there lived"
-
-
-def greedy_gaps(model: LlamaModel, prompt: list[int], emitted: list[int]) -> np.ndarray:
-    """For each emitted token: max logit - its logit, recomputed one token at a time."""
-    model.reset()
-    model.eval(prompt[:-1], logits="none")
-    gaps = []
-    previous = prompt[-1]
-    for token in emitted:
-        row = model.eval([previous], logits="last")[-1]
-        gaps.append(float(row.max() - row[token]))
-        previous = token
-    return np.array(gaps)
 
 
 @pytest.mark.parametrize("prompt", [CODE_PROMPT, STORY_PROMPT], ids=["code", "story"])

@@ -175,6 +175,68 @@ def test_a_damaged_hugging_face_ref_is_skipped_without_blocking(tmp_path, monkey
     assert [r for r, _, _ in hub.cached_ggufs()] == ["user/good"]
 
 
+def test_a_hugging_face_ref_that_is_not_text_is_named_and_the_rest_listed(tmp_path):
+    # Was: `specli models` and `specli fit -m PAIR` ended in a UnicodeDecodeError (the hub client
+    # reads a registry repo's ref as text), nothing listed, and a hint to a --verbose that
+    # `models` does not have; a FIFO or "/" ref was skipped without a word.
+    import os
+
+    hub = tmp_path / "hf" / "hub"
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1",
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "SPECLI_MODELS": ""}  # fmt: skip
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    good = hub / "models--user--good"
+    (good / "refs").mkdir(parents=True)
+    (good / "refs" / "main").write_text(commit)
+    (good / "snapshots" / commit).mkdir(parents=True)
+    (good / "snapshots" / commit / "m-Q4_K_M.gguf").write_bytes(b"GGUF")
+    refs = {}
+    for repo, make in (("bartowski/Meta-Llama-3.1-70B-Instruct-GGUF", lambda p: p.write_bytes(b"\xff\xfe\x00garbage")),  # a registry pair's target
+                       ("user/fifo", os.mkfifo), ("user/slash", lambda p: p.write_text("/"))):  # fmt: skip
+        ref = hub / ("models--" + repo.replace("/", "--")) / "refs" / "main"
+        ref.parent.mkdir(parents=True)
+        make(ref)
+        refs[repo] = ref
+    why = {"bartowski/Meta-Llama-3.1-70B-Instruct-GGUF": "it is not text", "user/fifo": "it is a FIFO (named pipe)",
+           "user/slash": "'/' is not a commit hash"}  # fmt: skip
+    for args in (["models"], ["models", "--json"]):
+        result = specli(*args, env=env, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert "llama-3.1-70b" in result.stdout and ("user/good:Q4_K_M" in result.stdout or args[-1] == "--json")
+        lines = result.stderr.splitlines()
+        assert len(lines) == (3 if args == ["models"] else 1), result.stderr  # (--json: the registry's rows only)
+        for repo, ref in refs.items():
+            if args == ["models"] or repo.startswith("bartowski"):
+                assert any(line.startswith(f"specli: warning: skipped the Hugging Face cache ref {ref}: {why[repo]}") for line in lines), result.stderr
+    result = specli("fit", "-m", "llama-3.1-70b", env=env, timeout=60)
+    assert result.returncode in (0, 3), result.stderr  # (fits or not, by this machine's memory: from models.toml's facts)
+    assert result.stderr.splitlines() == [f"specli: warning: skipped the Hugging Face cache ref {refs['bartowski/Meta-Llama-3.1-70B-Instruct-GGUF']}: "
+                                          "it is not text (it should hold a commit hash); the repo counts as not downloaded "
+                                          "(delete the ref; specli pull then fetches the repo again)"]  # fmt: skip
+    assert "Traceback" not in result.stderr and "UnicodeDecodeError" not in result.stderr
+    # A pull would have the hub client read it as text (a FIFO: for ever): one line saying what to do.
+    result = specli("pull", "llama-3.1-70b", env=env, timeout=60)
+    assert result.returncode == 1 and result.stderr.splitlines()[-1].startswith("specli: error: cannot download"), result.stderr
+    assert f"the Hugging Face cache ref {refs['bartowski/Meta-Llama-3.1-70B-Instruct-GGUF']} is damaged; delete it" in result.stderr
+
+
+@pytest.mark.parametrize("command, hinted", [(["models"], False), (["run", "hi"], True)])
+def test_the_verbose_hint_is_given_only_by_a_command_that_has_verbose(monkeypatch, capsys, command, hinted):
+    from specli.cli import models, run
+    from specli.cli.app import _main
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something unforeseen")
+
+    monkeypatch.setattr(models, "registry_rows", broken)
+    monkeypatch.setattr(run, "read_prompt", broken)
+    monkeypatch.setattr(run, "model_choice", lambda *a, **k: None)
+    assert _main(command) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("specli: error: RuntimeError: something unforeseen") and err.count("\n") == 1
+    assert ("--verbose" in err) == hinted, err
+
+
 @pytest.mark.parametrize("source, words", [
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x", "ran for over"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{{ 'ab' }}{% endfor %}{% endfor %}", "wrote over"),
@@ -227,3 +289,68 @@ def test_a_cache_folder_that_cannot_be_read_is_an_error_not_zero_files(tmp_path,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot read the cache folder {folder}: Permission denied" in err
     assert (folder / "policy-x.json").exists()
+
+
+LOOPING = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+GROWING = "{% set s = namespace(t='x') %}{% for i in range(40) %}{% set s.t = s.t ~ s.t %}{% endfor %}{{ s.t }}"
+
+
+def test_a_looping_template_beside_growing_memory_is_stopped_for_its_time(monkeypatch):
+    """The memory a render is checked against is the process's, which serve grows elsewhere
+    meanwhile (other renders in other threads, the generation): a render that only loops is
+    stopped for its time, and the one that builds a huge string for its memory (was: the
+    looping one's 400 said "took over 256 MiB of memory")."""
+    import threading
+    import time
+
+    from specli.llama import templates
+
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 2.0)
+    monkeypatch.setattr(templates, "RENDER_MEMORY", 64 << 20)
+    errors: dict[str, str] = {}
+
+    def render(name: str, source: str) -> None:
+        try:
+            templates.JinjaTemplate(source, bos_token="", eos_token="").render([("user", "hi")])
+        except templates.TemplateRenderError as err:
+            errors[name] = str(err)
+
+    looping = threading.Thread(target=render, args=("looping", LOOPING))
+    looping.start()
+    time.sleep(0.3)  # (its render under way: the memory below comes after its start)
+    held = b"x" * (128 << 20)  # this thread grows the process: not the looping render's doing
+    growing = threading.Thread(target=render, args=("growing", GROWING))
+    growing.start()
+    growing.join(30)
+    looping.join(30)
+    del held
+    assert "ran for over 2 s" in errors["looping"], errors
+    assert "MiB of memory" in errors["growing"], errors
+
+
+@pytest.mark.parametrize("body, kind, field, size", [
+    (lambda: {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1_000_000)}}, TEXT, "logit_bias", "1,000,000 entries"),
+    (lambda: {"prompt": "hi", "tools": [{"x": "A" * 10_000_000}]}, TEXT, "tools", "1 item"),
+    (lambda: {"messages": [{"role": "A" * 10_000_000, "content": "hi"}]}, CHAT, "messages", "10,000,000 characters"),
+    (lambda: {"messages": [{"role": "user", "content": [{"type": "A" * 10_000_000}]}]}, CHAT, "messages", "10,000,000 characters"),
+], ids=["logit_bias", "tools", "role", "content-part-type"])  # fmt: skip
+def test_an_error_quotes_at_most_the_start_of_a_huge_value(body, kind, field, size):
+    # (was: the whole value, a 14.9 MB answer for the logit_bias, 10 MB for the tools)
+    err = refused(body(), kind)
+    assert err.param == field and size in err.message and len(json.dumps(err.body())) < 500, err.message[:300]
+
+
+def test_an_unknown_model_name_is_quoted_short_and_no_message_is_huge():
+    pytest.importorskip("starlette")
+    from specli.server.app import Service
+
+    class Settings:
+        model_id, aliases = "served", set()
+
+    server = Service.__new__(Service)
+    server.settings = Settings()
+    with pytest.raises(ApiError) as caught:
+        server._check_model("m" * 10_000_000)
+    assert caught.value.status == 404 and "10,000,000 characters" in caught.value.message and len(caught.value.message) < 300
+    # whatever a message holds (a template's own error text quoting a message), it stays short
+    assert len(ApiError(400, "the template refuses this conversation: " + "A" * 10_000_000).message) < 1100

@@ -78,7 +78,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 # below its own (and from itself); those on one floor import nothing from each other.
 FLOORS = (
     ("specli", "specli.errors", "specli.modes"),  # nothing of specli's: the version, errors, drafting modes
-    ("specli.files", "specli.gguf"),  # on errors: files, the GGUF header reader
+    ("specli.files",),  # on errors: reading and writing files safely
+    ("specli.gguf",),  # the GGUF header reader (opens model files through specli.files)
     ("specli.llama", "specli.models"),  # llama.cpp; the registry, hub and fit: side by side
     ("specli.decoding",),
     ("specli.session",),

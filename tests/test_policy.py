@@ -9,7 +9,7 @@ import pytest
 from specli.decoding.policy import adaptive as policy_module
 from specli.decoding.policy.acceptance import ConfidenceCalibration, PositionalAcceptance, best_length, expected_tokens
 from specli.decoding.policy.adaptive import PLAIN_CHECK_STEPS, PROBE_BUDGET, PROBE_CREDIT, REACH_COST, AdaptivePolicy, StepReport
-from specli.decoding.policy.costs import ContextSlope, PassCost, running_time
+from specli.decoding.policy.costs import PRIOR_SLOPE, ContextSlope, PassCost, running_time
 
 FLAT = lambda n: 1.0  # noqa: E731  a GPU-like target: a pass costs the same for 1 or 33 tokens
 # Gemma 3 270M on 2 CPU threads (measured on a 2-core VM): ms per pass for n tokens, interpolated.
@@ -77,13 +77,14 @@ def test_pass_cost_interpolates_and_extrapolates_measured_sizes():
     assert not measured(cost) and cost(1) == 1.0  # relative units before any measurement
     cost.observe(1, 10.0)
     assert cost(1) == 10.0 and cost(5) > cost(1)  # the prior slope until a wide pass is measured
-    cost.observe(5, 30.0)
-    assert cost(3) == pytest.approx(20.0)  # one wide size: the line from T(1) to it
-    # Beyond the widest measured: optimistically the prior slope (1 per token) rather than
-    # the fitted 5, so that longer drafts get tried and measured.
-    assert cost(9) == pytest.approx(34.0)
-    cost.observe(9, 50.0)
-    assert cost(7) == pytest.approx(40.0) and cost(13) == pytest.approx(54.0, rel=0.01)
+    cost.observe(5, 70.0)
+    assert cost(3) == pytest.approx(40.0)  # one wide size: the line from T(1) to it
+    # Beyond the widest measured: optimistically the prior slope (PRIOR_SLOPE T(1) per token)
+    # rather than the fitted 15, so that longer drafts get tried and measured.
+    prior = PRIOR_SLOPE * 10.0
+    assert prior < 15 and cost(9) == pytest.approx(70.0 + 4 * prior)
+    cost.observe(9, 110.0)
+    assert cost(7) == pytest.approx(90.0) and cost(13) == pytest.approx(110.0 + 4 * prior, rel=0.01)
     for _ in range(40):
         cost.observe(1, 20.0)
     assert cost(1) == pytest.approx(20.0, rel=1e-3)  # a running mean follows a slower machine
@@ -219,12 +220,14 @@ def test_a_probe_that_goes_as_expected_leaves_the_record_whole():
         policy.observe(StepReport(None, 0, 0, None, 0.0, 1, 1.0))  # plain passes: 1 s
     for _ in range(5):
         for n in (3, 9, 17):
-            policy.pass_cost.observe(n, 1.45 * n)  # wide passes: too dear to draft
+            # wide passes: too dear to draft at the record's 80%, not at CEILING_ACCEPT (a
+            # drafter that could not pay even then would not be probed at all)
+            policy.pass_cost.observe(n, 0.95 * n)
 
     def probe(n_accepted: int) -> None:
         state.plain_streak, policy._credit = 3, None  # the next step is a probe
         assert policy.limit("sim", 32) == 2
-        policy.observe(StepReport("sim", 2, n_accepted, None, 0.0, 3, 1.45 * 3))
+        policy.observe(StepReport("sim", 2, n_accepted, None, 0.0, 3, 0.95 * 3))
 
     probe(0)
     probe(0)  # two probes, both refused at once
@@ -292,6 +295,36 @@ def simulate(policy: AdaptivePolicy, accept_prob, steps: int, cost=FLAT, t_draft
     if totals is not None:
         totals.update(tokens=tokens, seconds=seconds)
     return lengths
+
+
+def qwen_cpu(n: int) -> float:
+    """Qwen2.5-Coder 1.5B on 2 CPU cores (ms by pass width, llama-bench; ../shared/NOTES.md)."""
+    return 34.8 * {1: 1.0, 2: 1.52, 3: 1.93, 4: 2.34}.get(n, 2.34 + 0.4 * (n - 4)) / 1000
+
+
+def test_a_draft_model_that_cannot_pay_at_any_likely_acceptance_is_not_probed():
+    """The 0.5B draft at 0.58 of the target's one-token pass, on this CPU: even drafts accepted
+    95% of the time would not pay, so after the drafts that time it the policy decodes plain
+    and only re-times it every CEILING_RECHECK steps (doubling), whatever the acceptance."""
+    policy = AdaptivePolicy(32)
+    lengths = simulate(policy, lambda s: 0.99, 600, cost=qwen_cpu, t_draft=0.58 * qwen_cpu(1))
+    drafting = [i for i, k in enumerate(lengths) if k]
+    assert drafting and drafting[0] < 10
+    late = [i for i in drafting if i > 10]
+    assert len(late) <= 2 and all(i > 200 for i in late), drafting
+    # The same draft at a tenth of the target's cost pays: it drafts all along.
+    cheap = simulate(AdaptivePolicy(32), lambda s: 0.99, 200, cost=qwen_cpu, t_draft=0.1 * qwen_cpu(1))
+    assert sum(1 for k in cheap[20:] if k) > 150
+
+
+def test_a_draft_models_cost_timed_only_after_plain_steps_is_saved_for_the_next_run():
+    """A draft model that never pays is only ever timed cold (after plain steps): that timing
+    is saved, so the next run knows it costs too much without drafting to find out."""
+    policy = AdaptivePolicy(32)
+    simulate(policy, lambda s: 0.99, 300, cost=qwen_cpu, t_draft=0.58 * qwen_cpu(1))
+    saved = policy.saved(1_800_000_000.0)
+    assert saved.sources["sim"].t_draft is not None
+    assert saved.sources["sim"].t_draft.seconds == pytest.approx(0.58 * qwen_cpu(1))
 
 
 def test_re_probes_take_at_most_their_budget_where_drafting_never_pays():

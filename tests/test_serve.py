@@ -31,6 +31,8 @@ except ImportError:  # openai 1.x and 2.x use httpx
     import httpx
 import pytest
 
+from fixtures.cli import popen
+
 pytestmark = pytest.mark.gemma
 
 CTX = 1024
@@ -65,7 +67,7 @@ class Server:
         full_env.update(env or {})
         cmd = [sys.executable, "-m", "specli", "serve", "-m", str(gemma_path), "-c", str(CTX), "--threads", THREADS, "--port", "0", *args]
         with open(self.log, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=full_env)
+            self.proc = popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=full_env)
         self.url = ""
 
     def wait_ready(self) -> None:
@@ -373,6 +375,32 @@ def test_refused_request_gets_an_openai_error_and_the_server_goes_on(server, mod
     health = server.health()
     assert health["completed"] == before["completed"] + 1 and health["failed"] == before["failed"]
     assert health["slots_idle"] == 1 and health["queued"] == 0
+
+
+PARTIAL_BODIES = {
+    "content-length": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                       b'{"prompt":'),
+    "chunked": b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n20\r\n{"prompt": "hi", ',
+    "huge-chunk": b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nFFFFFFFFFFFFFFFF\r\n{"prompt": "hi"',
+    "chat": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+             b'{"messages": [{"role"'),
+}  # fmt: skip
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_not_an_error(server, model_id):
+    """Nothing on stderr (a client that left is no fault of the server's: as for one that leaves
+    mid-generation), no traceback, and the server goes on (was: "Exception in ASGI application"
+    and a ClientDisconnect traceback per client)."""
+    before = server.stderr()
+    for head in PARTIAL_BODIES.values():
+        with socket.create_connection((server.host, server.port), timeout=WAIT_DEADLINE) as raw:
+            raw.sendall(head)
+            server.health()  # (the server has read the head and started on the body)
+    after = complete(server.client(), model_id, "The capital of France is", 2)  # the server goes on
+    assert after.usage.completion_tokens == 2
+    server.health()
+    new = server.stderr()[len(before) :].splitlines()
+    assert [line for line in new if not line.startswith("/v1/completions: ")] == [], new
 
 
 def test_unknown_model_is_404_not_found(server, model_id):

@@ -41,7 +41,7 @@ def test_the_live_status_builds_its_line_only_when_it_redraws_it(monkeypatch):
 def big_stats():
     from specli.decoding.stats import Stats
 
-    return Stats(n_tokens=1234567, drafted=9876543, accepted=8765432, target_passes=123456, prompt_tokens=123456,
+    return Stats(n_tokens=1234567, decided=1234567, drafted=9876543, accepted=8765432, target_passes=123456, prompt_tokens=123456,
                  prompt_s=12345.67, draft_s=12345.67, verify_s=123456.78, generation_s=123456.78)  # fmt: skip
 
 
@@ -67,7 +67,7 @@ def test_the_summary_fits_the_terminal_and_breaks_only_between_words():
 def test_no_number_reads_as_a_count_of_drafted_tokens():
     from specli.decoding.stats import Stats
 
-    stats = Stats(n_tokens=6, drafted=1, accepted=1, target_passes=2, generation_s=0.5)  # 0.5 drafts per pass
+    stats = Stats(n_tokens=6, decided=6, drafted=1, accepted=1, target_passes=2, generation_s=0.5)  # 0.5 drafts per pass
     live = ui.status_text(stats, with_drafting=True).plain
     summary = ui.summary_line(stats, stop_reason="eos", with_drafting=True, verbose=True, width=80)
     for text in (live, summary, " · ".join(stats.drafting_summary())):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Iterable, Iterator
@@ -44,6 +45,43 @@ def open_to_read(path: Path) -> Iterator[tuple[IO[bytes], os.stat_result]]:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as handle:
         yield handle, os.fstat(fd)
+
+
+def kind_of(mode: int) -> str | None:
+    """What a file of this st_mode is, in words, when it is no regular file ("a directory",
+    "a FIFO (named pipe)", "a character device", ...); None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, words in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):  # fmt: skip
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+class NotRegularFile(Exception):
+    """`path` is a directory, FIFO, device or socket (`kind` says which, in words): refused
+    before a byte of it is read."""
+
+    def __init__(self, path: str | os.PathLike, kind: str):
+        super().__init__(f"{path} is not a regular file: it is {kind}")
+        self.path, self.kind = path, kind
+
+
+@contextlib.contextmanager
+def open_regular(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+    """`path` (links followed) opened for binary reading if it is a regular file; else
+    NotRegularFile, before it is opened: stat never waits, while opening a FIFO waits for a
+    writer for ever, and a socket cannot be opened at all. What was opened is checked again
+    (fstat), in case the path was swapped meanwhile. OSError when it cannot be opened."""
+    kind = kind_of(os.stat(path).st_mode)
+    if kind:
+        raise NotRegularFile(path, kind)
+    with open_to_read(Path(path)) as (handle, info):
+        kind = kind_of(info.st_mode)
+        if kind:
+            raise NotRegularFile(path, kind)
+        yield handle
 
 
 def read_limited(handle: IO[bytes], what: str) -> bytes:
@@ -89,7 +127,7 @@ def write_atomically(path: str | os.PathLike, lines: Iterable[str], *, mode: int
     Returns the path really written."""
     path = Path(os.path.realpath(path))
     if os.path.exists(path) and not path.is_file():
-        with path.open("w", encoding="utf-8") as handle:
+        with os.fdopen(open_in_place(path), "w", encoding="utf-8") as handle:
             for line in lines:
                 handle.write(line + "\n")
         return path
@@ -121,19 +159,58 @@ def _replace_with(path: Path, data: bytes, mode: int) -> None:
         raise
 
 
+# FIFOs that check_writable found a reader on, by (device, inode), each opened for writing and
+# kept open until the write (open_in_place hands it over): a reader such as `cat FIFO` ends at
+# the first writer's close, so a probe that closed at once would leave no reader for the write.
+_held_fifos: dict[tuple[int, int], int] = {}
+
+
+def open_in_place(path: str | os.PathLike) -> int:
+    """A file descriptor for writing the FIFO, device or socket `path` in place, got without
+    waiting: a FIFO with no reader is OSError(ENXIO) saying so at once (a plain open waits for a
+    reader for ever, and Ctrl-C is then all that ends it). A FIFO that check_writable opened is
+    handed over. Once open, writes block again: they wait for a slow reader instead of failing."""
+    try:
+        info: os.stat_result | None = os.stat(path)
+    except OSError:
+        info = None
+    if info is not None and (info.st_dev, info.st_ino) in _held_fifos:
+        return _held_fifos.pop((info.st_dev, info.st_ino))
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, os.O_WRONLY | nonblock)
+    except OSError as err:
+        if err.errno == errno.ENXIO and info is not None and (stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode)):
+            why = "it is a FIFO (named pipe) with no reader" if stat.S_ISFIFO(info.st_mode) else "it is a socket, not a file"
+            raise OSError(errno.ENXIO, why, str(path)) from None
+        raise
+    if nonblock:
+        os.set_blocking(fd, True)
+    return fd
+
+
 def check_writable(path: str | os.PathLike, what: str, *, folder_too: bool = False) -> None:
     """UsageError (one line, naming `what`, the path and the reason) unless `path` can be written,
     found out before a run spends its time: an existing regular file is opened for writing
     (nothing is written, nothing truncated, the mtime stays); a missing one, or with `folder_too`
     (outputs replaced through a temporary file or locked beside it) any, is tried by creating and
-    removing a temporary file in its folder. A symlink is followed; devices, FIFOs and sockets
-    are left to the write itself (/dev/null is a fine place for a summary)."""
+    removing a temporary file in its folder. A symlink is followed. A FIFO must have a reader
+    (it is opened without waiting, and held open for the write: see open_in_place); a socket is
+    refused; devices are left to the write itself (/dev/null is a fine place for a summary)."""
     real = Path(os.path.realpath(path))
     if real.is_dir():
         raise UsageError(f"cannot write {what} {path}: it is a directory; give a file name")
     if not real.parent.is_dir():
         raise UsageError(f"cannot write {what} {path}: folder {real.parent} does not exist")
     exists = os.path.lexists(real)
+    if exists and (real.is_fifo() or real.is_socket()):
+        try:
+            fd = open_in_place(real)
+        except OSError as err:
+            hint = "start what reads it first, or give a file name" if err.errno == errno.ENXIO and real.is_fifo() else "give a file name"
+            raise UsageError(f"cannot write {what} {path}: {err.strerror or err}; {hint}") from None
+        info = os.fstat(fd)
+        _held_fifos[(info.st_dev, info.st_ino)] = fd  # (named twice: the same descriptor, put back)
     if exists and real.is_file():
         try:
             os.close(os.open(real, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NONBLOCK", 0)))

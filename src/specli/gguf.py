@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from specli.errors import ModelFileError
+from specli.files import NotRegularFile, kind_of, open_regular
 
 # --- a minimal GGUF metadata reader ------------------------------------------------------------
 # Layout (gguf docs): magic "GGUF", u32 version (2 or 3: counts are u64), u64 tensor count,
@@ -69,18 +70,37 @@ def read_gguf_metadata(path: Path) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        with open_regular(path) as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _parse_header(buf, path)
+    except NotRegularFile as err:
+        raise not_regular_error(path, err.kind) from None
     except FileNotFoundError:
         raise ModelFileError(f"model file not found: {path} (check the path or use a models.toml name)") from None
-    except IsADirectoryError:
-        raise ModelFileError(f"{path} is a directory, not a GGUF file") from None
     except ValueError as err:  # mmap of an empty file
         if path.is_file() and path.stat().st_size == 0:
             raise ModelFileError(f"{path} is empty, not a GGUF file (re-download it)") from None
         raise ModelFileError(f"cannot read {path} as GGUF: {err}") from None
     except OSError as err:
         raise ModelFileError(f"cannot read {path} as GGUF: {err.strerror or err}") from None
+
+
+def not_regular_error(path: Path, kind: str) -> ModelFileError:
+    """The one line for a model path that is a directory, FIFO, device or socket."""
+    if kind == "a directory":
+        return ModelFileError(f"{path} is a directory, not a GGUF file (pass the .gguf file inside it)")
+    return ModelFileError(f"{path} is {kind}, not a regular file; pass the path of a .gguf model file")
+
+
+def check_model_path(path: Path) -> None:
+    """ModelFileError when `path` exists and is no regular file, found with stat alone: opening a
+    FIFO to read it waits for a writer for ever, and a device would be read as if it were a
+    model. A missing or unreadable path is left to the reader, which names it."""
+    try:
+        kind = kind_of(Path(path).stat().st_mode)
+    except (OSError, ValueError):
+        return
+    if kind:
+        raise not_regular_error(Path(path), kind)
 
 
 def _parse_header(buf, path: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ cache) with its own Typer object, added to `app` here; none of them imports this
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from specli.errors import EXIT_INTERRUPTED
@@ -27,10 +28,29 @@ def _exit_interrupted() -> None:
     raise SystemExit(EXIT_INTERRUPTED)
 
 
+def _plug_closed_descriptors() -> None:
+    """Open /dev/null on whichever of fds 0-2 was closed when specli started (`>&-`): else the
+    next file opened (a model, an output, a lock) would get that number, and anything written to
+    "stdout" (llama.cpp's own prints) would land in it. sys.stdout stays None, so the commands
+    that write results there still refuse to run (options.require_stdout)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                devnull = os.open(os.devnull, os.O_RDWR)
+                if devnull != fd:  # (the lowest free number: fd itself, when the ones below are open)
+                    os.dup2(devnull, fd)
+                    os.close(devnull)
+            except OSError:
+                pass
+
+
+_plug_closed_descriptors()  # first: the imports below open files of their own
+
 # Importing what follows takes a while (llama.cpp's library among it): a Ctrl-C meanwhile is
 # still one line and exit 130, whether specli runs as `specli` or `python -m specli`.
 try:
-    import os
     import traceback
 
     import typer
@@ -83,6 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     sys.exit(code)
 
 
+def _verbose_hint(args: list[str]) -> str:
+    """" (run with --verbose for details)" when the command run has --verbose, else nothing:
+    `specli models` has none, and a hint to an option that is refused helps nobody."""
+    try:
+        group = typer.main.get_command(app)
+        name = next((arg for arg in args if not arg.startswith("-")), None)
+        command = group.commands.get(name) if name else None
+        has_verbose = command is not None and any("--verbose" in getattr(p, "opts", ()) for p in command.params)
+    except Exception:  # (only the wording of an error depends on it)
+        has_verbose = False
+    return " (run with --verbose for details)" if has_verbose else ""
+
+
 def _main(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
@@ -105,7 +138,7 @@ def _main(argv: list[str] | None) -> int:
             traceback.print_exc()
         _quiet_stdout()
         where = f": {err.filename}" if err.filename else ""
-        print(f"specli: error: {err.strerror or err}{where} (run with --verbose for details)", file=sys.stderr)
+        print(f"specli: error: {err.strerror or err}{where}{_verbose_hint(args)}", file=sys.stderr)
         code = EXIT_RUNTIME
     except Exception as err:
         if _is_click_error(err):
@@ -118,7 +151,7 @@ def _main(argv: list[str] | None) -> int:
         # A bug or an unexpected failure: still one line unless --verbose.
         if verbose:
             traceback.print_exc()
-        print(f"specli: error: {type(err).__name__}: {err} (run with --verbose for details)", file=sys.stderr)
+        print(f"specli: error: {type(err).__name__}: {err}{_verbose_hint(args)}", file=sys.stderr)
         code = EXIT_RUNTIME
     return code
 

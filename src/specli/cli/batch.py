@@ -20,10 +20,10 @@ import typer
 from specli.errors import EXIT_INTERRUPTED
 from specli.cli.options import (
     DraftMemory, Drafting, Memory, Models, Quiet, Sampling, Stop, Threads, Verbose, error_message, flatten, load_models, max_tokens_option,
-    check_parallel, model_choice, stop_strings,
+    check_parallel, model_choice, require_stdout, stop_strings,
 )  # fmt: skip
-from specli.cli.run import ChatFlag, System, Template
-from specli.errors import EXIT_RUNTIME, UsageError
+from specli.cli.run import ChatFlag, NoParseSpecial, System, Template
+from specli.errors import EXIT_RUNTIME, SpecliError, UsageError
 from specli.files import ExclusiveLock, LockBusy, check_writable, replace_text
 from specli.session import batch, batch_run
 from specli.modes import DraftMode
@@ -58,9 +58,14 @@ def batch_command(
     chat: ChatFlag = False,
     system: System = None,
     template: Template = None,
+    no_parse_special: NoParseSpecial = False,
 ) -> int:
     """Generate for every prompt of INPUT with the models loaded once; one JSON record per line
     (in input order), a summary on stderr. Re-running with the same output resumes."""
+    if output == "-":
+        require_stdout("write the records to a file with -o FILE, or run it with stdout open")
+    if no_parse_special and (chat or system is not None or template is not None):
+        raise UsageError("--no-parse-special is for raw prompts; with --chat every prompt is a message, always tokenized as text: drop one of them")
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
     stops = stop_strings(stop)
     check_parallel(parallel, memory.n_ctx, choice.branches)
@@ -71,7 +76,7 @@ def batch_command(
     try:
         settings = batch_run.BatchSettings(
             input_path, out_path, choice, max_tokens, parallel=parallel, input_format=input_format, overwrite=overwrite,
-            force=force, stop=stops, chat=chat, system=system, template=template,
+            force=force, stop=stops, chat=chat, system=system, template=template, parse_special=not no_parse_special,
         )  # fmt: skip
         return _batch(settings, output=output, summary_path=summary_path, quiet=quiet, verbose=verbose)
     finally:
@@ -101,7 +106,12 @@ def _batch(settings: batch_run.BatchSettings, *, output: str, summary_path: Opti
     if summary_path is not None:
         run_settings = {"target": str(job.plan.target_path), "draft": job.plan.draft_label, "n_draft": job.plan.draft_length.json_value,
                         "parallel": settings.parallel, "input": settings.input_path, "output": output}  # fmt: skip
-        replace_text(summary_path, _json({**summary.to_dict(), **run_settings}))
+        try:
+            replace_text(summary_path, _json({**summary.to_dict(), **run_settings}))
+        except OSError as err:  # (a FIFO whose reader left since the check): say that the records are safe
+            where = "on stdout" if output == "-" else f"in {output}"
+            raise SpecliError(f"cannot write the --summary file {summary_path}: {err.strerror or err}; "
+                              f"the records themselves are written {where}") from None  # fmt: skip
     if summary.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_SOME_FAILED if summary.failed else 0

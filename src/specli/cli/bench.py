@@ -15,13 +15,15 @@ from typing import Optional
 
 import typer
 
-from specli.cli.options import Memory, Models, Quiet, Sampling, Threads, Verbose, flatten, load_models, max_tokens_option, model_choice
+from specli.cli.options import (
+    Memory, Models, Quiet, Sampling, Threads, Verbose, flatten, load_models, max_tokens_option, model_choice, require_stdout,
+)  # fmt: skip
 from specli.decoding.sampling import sampling_json
 from specli.errors import UsageError
 from specli.files import check_writable
 from specli.llama.native import init_backend
 from specli.modes import DraftLength, DraftMode
-from specli.session import bench
+from specli.session import bench, costs as pass_costs
 from specli.session.loading import plan
 
 MATPLOTLIB_MISSING = "--plot needs matplotlib, which is not installed; pip install matplotlib"
@@ -51,6 +53,7 @@ def bench_command(
     """Measure target-only vs speculative decoding for several N on a prompt set, and say
     whether speculative decoding pays off. Greedy by default (--temperature 0), which measures
     cleanly; --temperature > 0 samples, with a seed per round."""
+    require_stdout()  # (the tables)
     ns = bench.parse_ns(ns_text)
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed)
     prompts = bench.parse_prompt_file(prompts_file) if prompts_file else list(bench.BUILTIN_PROMPTS)
@@ -63,13 +66,14 @@ def bench_command(
     the_plan = plan(choice)
     loaded = load_models(the_plan, choice, quiet=quiet, verbose=verbose)
     try:
+        costs = _measure_costs(loaded, quiet=quiet or verbose)
         records = _measure(loaded, prompts, ns, repeat, max_tokens, choice.sampling, quiet=quiet or verbose)
     finally:
         loaded.close()
 
     rows = bench.aggregate(records)
     held_out = bench.held_out_best(records)
-    _report(rows, held_out, the_plan, ns, repeat)
+    _report(rows, held_out, the_plan, ns, repeat, costs=costs)
     settings = {
         "target": str(the_plan.target_path), "draft": the_plan.draft_label, "ns": [n.json_value for n in ns], "repeat": repeat,
         "max_tokens": max_tokens, "ctx": memory.n_ctx, "threads": threads, "sampling": sampling_json(choice.sampling),
@@ -77,7 +81,7 @@ def bench_command(
         "prompts": [dataclasses.asdict(p) for p in prompts],
     }  # fmt: skip
     if json_path:
-        bench.write_json(json_path, settings, records, rows, held_out)
+        bench.write_json(json_path, settings, records, rows, held_out, costs)
     if csv_path:
         bench.write_csv(csv_path, records)
     if plot_path:
@@ -90,6 +94,17 @@ def _require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError(MATPLOTLIB_MISSING) from None
+
+
+def _measure_costs(loaded, *, quiet: bool) -> pass_costs.PassCosts:
+    """The target's pass costs by width and the draft model's token (session/costs.py; a few
+    seconds), with a spinner on a terminal."""
+    from specli.cli.render import stderr_console
+
+    if quiet or not sys.stderr.isatty():
+        return pass_costs.measure(loaded.model_tgt, loaded.model_dft)
+    with stderr_console().status("measuring pass costs"):
+        return pass_costs.measure(loaded.model_tgt, loaded.model_dft)
 
 
 def _measure(loaded, prompts, ns, repeat, max_tokens, sampling, *, quiet: bool) -> list[dict]:
@@ -126,9 +141,11 @@ def _spread(row: bench.Row) -> str:
     return f"{row.speedup_min:.2f}-{row.speedup_max:.2f}" + ("x!" if bench.above_bound(row.speedup_max, row.tokens_per_pass) else "x")
 
 
-def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: list[DraftLength], repeat: int) -> None:
+def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: list[DraftLength], repeat: int, *,
+            costs: pass_costs.PassCosts | None = None) -> None:  # fmt: skip
     """The tables, best N and verdicts, on stdout (Rich; plain text when not a terminal).
-    held_out: bench.held_out_best's figure per scenario."""
+    held_out: bench.held_out_best's figure per scenario; costs: the measured pass costs, shown
+    before the verdicts (which a draft model's run takes them into)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -193,9 +210,30 @@ def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: lis
     if repeat < 2:
         out.print("One round: noise unmeasured, so a verdict may flip from one bench to the next; "
                   "--repeat 3 shows each speedup's spread and says when it is within noise")  # fmt: skip
+    if costs is not None:
+        for line in _cost_lines(costs):
+            out.print(line)
+    # (hybrid's lookup steps are not bound by the draft model's ceiling: only a draft model's verdict takes it)
+    capped = costs if the_plan.mode == DraftMode.DRAFT_MODEL else None
     for scenario in dict.fromkeys(row.scenario for row in rows):
-        word, why = bench.verdict(best.get(scenario), lookup=the_plan.mode == DraftMode.LOOKUP)
+        word, why = bench.verdict(best.get(scenario), lookup=the_plan.mode == DraftMode.LOOKUP, costs=capped)
         out.print(f"{scenario}: use speculative decoding? {word} — {why}")
+
+
+def _cost_lines(costs: pass_costs.PassCosts) -> list[str]:
+    """The measured pass costs, the ceilings they allow and what that means, in three lines."""
+    rel = costs.relative()
+    widths = ", ".join(f"{w} tokens {r:.2f}x" for w, r in rel.items() if w != 1)
+    draft = f"; a draft-model token {costs.draft_relative:.2f}x" if costs.draft_relative is not None else ""
+    ceilings = f"prompt lookup {costs.lookup.speedup:.2f}x (N={costs.lookup.n})"
+    if costs.draft is not None:
+        ceilings += f", this draft model {costs.draft.speedup:.2f}x (N={costs.draft.n})"
+    return [
+        f"Pass costs here (target, after {costs.depth} tokens of context, median of {costs.samples}): 1 token "
+        f"{costs.target_s[1] * 1e3:.3g} ms = 1; {widths}{draft}",
+        f"Ceilings over target-only with every draft accepted: {ceilings}",
+        pass_costs.conclusion(costs),
+    ]  # fmt: skip
 
 
 def _plot(path: Path, rows: list[bench.Row]) -> None:

@@ -10,7 +10,7 @@ import typer
 
 from specli.cli.options import (
     ChatMemory, Drafting, Memory, Models, Quiet, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models, max_tokens_option,
-    model_choice, stop_strings,
+    model_choice, require_stdout, stop_strings,
 )  # fmt: skip
 from specli.session.loading import plan
 
@@ -41,6 +41,7 @@ def chat(
     from specli.llama.native import init_backend
     from specli.session.chat import ChatOptions, ChatSession, LineReader, check_template_name, choose_formatter
 
+    require_stdout()  # (the replies)
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
     stops = stop_strings(stop)
     reader = LineReader(sys.stdin, sys.stdout, sys.stderr)  # a bad SPECLI_MAX_INPUT_BYTES: before the load

@@ -12,7 +12,7 @@ from typing import Literal, Optional
 
 import typer
 
-from specli.cli.options import Memory, Models, flatten
+from specli.cli.options import Memory, Models, flatten, require_stdout
 from specli.models.fit import KV_TYPES, gb, padded_ctx, size_text
 from specli.modes import MAX_DRAFT, DraftMode
 from specli.session.cache import cache_rows, clear_cache
@@ -33,6 +33,7 @@ def models_cmd(
     registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
 ) -> int:
     """List the models.toml entries and whether their files are on this machine (no network)."""
+    require_stdout()
     rows = registry_rows(registry_file)
     if json_out:
         print(json.dumps(rows, ensure_ascii=False))
@@ -84,6 +85,7 @@ def pull_cmd(
 
     Prints the local paths on stdout, one per line; progress and a summary go to stderr.
     """
+    require_stdout()  # (before a download)
     pulled = pull(name, draft, registry_file, say=lambda line: print(line, file=sys.stderr))
     for f in pulled.files:
         print(f.path, flush=True)
@@ -122,6 +124,7 @@ def fit_cmd(
     registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
 ) -> int:
     """Will the target, the draft and both KV caches fit in this machine's memory? Exit 0 yes, 3 no."""
+    require_stdout()
     memory.check()
     settings = FitSettings(
         model=models.model, draft=models.draft, lookup=models.lookup, n_ctx=memory.n_ctx, ngl=memory.ngl,
@@ -311,11 +314,12 @@ def cache_cmd(
 ) -> int:
     """Show what `--draft-max auto` has learnt per target and drafter (pass costs, acceptance, when and
     from how many samples) and the token memories of `--memory persist`, or forget both with --clear."""
-    if clear:
+    if clear:  # (says what it did on stderr: no stdout needed)
         folder, removed, memories = clear_cache()
         print(f"specli: removed {removed} file(s) of --draft-max auto measurements and {memories} token memory file(s) from {folder}",
               file=sys.stderr)  # fmt: skip
         return 0
+    require_stdout()
     now = time.time()
     rows = cache_rows(now)
     if json_out:

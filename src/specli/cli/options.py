@@ -68,6 +68,14 @@ def error_message(err: SpecliError) -> str:
     return str(err)
 
 
+def require_stdout(fix: str = "run it with stdout open (> FILE, or > /dev/null to discard it)") -> None:
+    """SpecliError (exit 1) when stdout is closed (`>&-`), before the command does any work: Python
+    then has no sys.stdout, and the output would be found to have nowhere to go only after a
+    whole run, as an AttributeError. `fix`: what to do instead (batch: -o FILE)."""
+    if sys.stdout is None:
+        raise SpecliError(f"stdout is closed, so the output would go nowhere; {fix}")
+
+
 def parse_n_draft(text: str) -> DraftLength:
     """--draft-max's value as Typer parses it: "auto" or a number of drafts."""
     try:

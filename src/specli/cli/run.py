@@ -14,7 +14,7 @@ import typer
 from specli.errors import EXIT_INTERRUPTED
 from specli.cli.options import (
     Drafting, Memory, Models, Quiet, RunMemory, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models, max_tokens_option,
-    model_choice, stop_strings,
+    model_choice, require_stdout, stop_strings,
 )  # fmt: skip
 from specli.errors import UsageError
 from specli.files import read_limited, strip_bom
@@ -28,6 +28,9 @@ commands = typer.Typer()
 ChatFlag = Annotated[bool, typer.Option("--chat", help="Send the prompt as a user message in the model's chat template, ending with the assistant's turn (for instruct models).")]
 System = Annotated[Optional[str], typer.Option("--system", help="System prompt (implies --chat).")]
 Template = Annotated[Optional[str], typer.Option("--template", help="A llama.cpp built-in chat template (chatml, gemma, llama3, ...) instead of the model's own (implies --chat).")]
+# A raw prompt's control text (`<|im_start|>`) becomes control tokens, as in llama.cpp's CLI and
+# server; llama-tokenize's --no-parse-special keeps it text. (Chat messages are always text.)
+NoParseSpecial = Annotated[bool, typer.Option("--no-parse-special", help="Tokenize the prompt's special-token text (<|im_start|>, <start_of_turn>, ...) as plain text, not as the control tokens llama.cpp makes of it.")]
 
 
 @commands.command("run")
@@ -52,11 +55,13 @@ def run(
     chat: ChatFlag = False,
     system: System = None,
     template: Template = None,
+    no_parse_special: NoParseSpecial = False,
 ) -> int:
     """Generate a continuation of PROMPT, streamed to stdout, with live stats on stderr."""
     from specli.cli.render import low_acceptance_warning, stream_generation, summary_line, terminal_width
     from specli.llama.native import init_backend
 
+    require_stdout()
     if prompt_option is not None and prompt is not None:
         raise UsageError("the prompt is given twice (PROMPT and -p/--prompt); give one of them")
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
@@ -64,6 +69,8 @@ def run(
     text = read_prompt(prompt_option if prompt_option is not None else prompt)
     init_backend(verbose=verbose)
     chat = chat or system is not None or template is not None
+    if chat and no_parse_special:
+        raise UsageError("--no-parse-special is for raw prompts; with --chat the prompt is a message, always tokenized as text: drop one of them")
     if template is not None:
         from specli.session.chat import check_template_name
 
@@ -76,7 +83,7 @@ def run(
             prompt_ids, format_stop = chat_prompt_ids(model_tgt, template, system, text, quiet=quiet)
             stops = (*format_stop, *stops)
         else:
-            prompt_ids = model_tgt.tokenize(text, add_bos=model_tgt.vocab_info().add_bos)
+            prompt_ids = model_tgt.tokenize_prompt(text, parse_special=not no_parse_special)
         gen = loaded.decoder.generate(prompt_ids, max_tokens=max_tokens, stop=stops)
         with_drafting = the_plan.mode != DraftMode.TARGET_ONLY
         interrupted = stream_generation(

@@ -46,9 +46,13 @@ def serve_command(
     sampling: Sampling,
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for requests that set none (default: a fresh one per request, reported in its stats)."),
     template: Optional[str] = typer.Option(None, "--template", help="A llama.cpp built-in chat template (chatml, gemma, llama3, ...) for chat requests, instead of the model's own."),
+    cache_reuse: int = typer.Option(0, "--cache-reuse", min=0, help="Also reuse runs of at least N cached tokens that a new prompt holds after the common prefix, moved to their new positions (llama-server's --cache-reuse; 0: off)."),
+    metrics: bool = typer.Option(False, "--metrics", help="Serve Prometheus metrics at /metrics (llama-server's names, plus specli's drafting figures)."),
+    slots: bool = typer.Option(False, "--slots", help="Serve each slot's state at /slots (it shows every request's generated text to whoever has the key)."),
 ) -> int:
     """Serve the models over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
-    /v1/models, /health), drafting as `run` does. Ctrl-C or SIGTERM stops it cleanly."""
+    /v1/models, /health) and llama-server's /infill, /tokenize, /detokenize, /apply-template and
+    /props, drafting as `run` does. Ctrl-C or SIGTERM stops it cleanly."""
     choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
     check_parallel(parallel, memory.n_ctx, choice.branches)
     if api_key is None and os.environ.get("SPECLI_API_KEY") is not None:
@@ -84,12 +88,18 @@ def serve_command(
             scheduler = Scheduler(
                 loaded, n_seq=parallel, queue_limit=queue, n_threads=threads, describe=error_message, release_models=True,
                 on_idle=(lambda: save_memory(MEMORY_SAVE_EVERY_S)) if loaded.memory_file is not None else None,
+                cache_reuse=cache_reuse,
             )  # fmt: skip
+            settings.metrics, settings.slots, settings.model_path = metrics, slots, str(the_plan.target_path)
+            if cache_reuse and not scheduler.can_reuse and not quiet:
+                server_app.stderr_line(f"specli: warning: --cache-reuse {cache_reuse} is off: {the_plan.target_path.name}'s cache cannot move entries "
+                                       "(M-RoPE positions, or a sliding-window cache smaller than the context); only a common prefix is reused")  # fmt: skip
             service = server_app.Service(scheduler, loaded.model_tgt, settings)
             if choice.rpc:  # a stalled server: /health and the waiting requests get 503 before the exit
                 from specli.llama import rpc
 
                 rpc.on_stall(scheduler.stalled)
+                service.on_stop.append(rpc.stop_asked)  # (a signal then does not wait for a stalled pass)
             bound_host, bound_port = server_app.address_of(sock)
 
             def ready() -> None:

@@ -15,7 +15,7 @@ itself: with a cost table (--draft-max auto), a node outside the chain is kept o
 chance that the text follows it (the share of the memory's places that agree on its path,
 times BRANCH_ODDS) times a one-token pass's cost exceeds what the node adds to the pass, and
 none beside a copy from the context; without one (a fixed --draft-max) --branches decides alone.
-Replayed (benchmarks/branch_replay.py, memory_replay's workloads and 160 Spec-Bench texts): on
+Replayed (benchmarks/branch_replay.py, in git history at 048e22a; memory_replay's workloads and 160 Spec-Bench texts): on
 the 2-core CPU table a tree at a fixed --branches costs 2-54% of the chain's speed, the judged
 one almost never branches (within 0.1%); on a flat (GPU-like) table the judged tree gains 1-2%
 on Spec-Bench (1-5% per category), up to 8% on repeated tool calls, -1% on code at 16.
@@ -36,7 +36,7 @@ from specli.decoding.verify import Verdict, verify_greedy
 MAX_BRANCHES = 8  # --branches' largest (each is a sequence of the target's context)
 BRANCH_SOURCE = MEMORY  # the stats' source of tokens accepted on a branch other than the draft's
 # What a node off the draft's path is worth per its share of the memory's places: such nodes are
-# reached only where the draft is refused, and replayed (benchmarks/branch_replay.py: the written
+# reached only where the draft is refused, and replayed (benchmarks/branch_replay.py at 048e22a: the written
 # workloads and Spec-Bench) they were accepted about a quarter as often as their shares say.
 BRANCH_ODDS = 0.25
 

@@ -50,6 +50,11 @@ STOP_MAX_TOKENS = "max_tokens"
 STOP_CONTEXT_FULL = "context_full"
 STOP_INTERRUPTED = "interrupted"
 STOP_STRING = "stop"  # the text reached one of the generation's stop strings
+# An /infill request's limits (decoding/limits.py): a line indented less than n_indent, and a
+# newline after t_max_predict_ms; like a stop string, each cuts the text where it ends.
+STOP_INDENT = "indent"
+STOP_TIME_LIMIT = "time_limit"
+_CUTTING = (STOP_STRING, STOP_INDENT, STOP_TIME_LIMIT)  # reasons whose cut leaves no held text to flush
 
 
 def draft_length_for(drafting: bool, value: DraftLength | int | str) -> DraftLength:
@@ -130,6 +135,9 @@ class Generation:
     # anything after it is output (`text`), and token_ids end with the token holding the text's
     # last character (the token in which the stop string begins, when it begins mid-token).
     stop: tuple[str, ...] = ()
+    stop_word: str = ""  # the stop string that ended it (STOP_STRING)
+    # Limits checked after each token (decoding/limits.LineLimits: its after_token), or None.
+    limits: object | None = None
     _steps: Iterator[Step] | None = None
     _stream: TextStream | None = None
     _held: str = ""  # decoded text not released yet: it may be the start of a stop string
@@ -166,22 +174,26 @@ class Generation:
             if is_eog(token):
                 emitted, stop = tokens[:i], STOP_EOS
                 break
+        n_decided = len(emitted) + (stop is not None)  # (the end-of-generation token is the pass's too)
         n_from_draft = min(n_accepted, len(emitted))
-        if self.stop:
-            return self._record_stopping(emitted, n_from_draft, n_drafted, stop, source)
+        if self.stop or self.limits is not None:
+            return self._record_stopping(emitted, n_from_draft, n_drafted, stop, source, n_decided)
         text_drafted = self._stream.feed(emitted[:n_from_draft])
         text_own = self._stream.feed(emitted[n_from_draft:])
         self.token_ids.extend(emitted)
         self.text += text_drafted + text_own
-        self.stats.record_step(n_drafted, n_from_draft, len(emitted), source=source if n_drafted else None)
+        self.stats.record_step(n_drafted, n_from_draft, len(emitted), source=source if n_drafted else None, n_decided=n_decided)
         if stop is not None:
             self.finish(stop)
         return Step(emitted, text_drafted, text_own, n_drafted=n_drafted, n_accepted=n_from_draft)
 
-    def _record_stopping(self, emitted: list[int], n_from_draft: int, n_drafted: int, stop: str | None, source: str | None) -> Step:
+    def _record_stopping(self, emitted: list[int], n_from_draft: int, n_drafted: int, stop: str | None, source: str | None,
+                         n_decided: int) -> Step:  # fmt: skip
         """record() with stop strings: the text is searched token by token (a stop string may
         span tokens, or lie inside an accepted draft); what may begin a stop string is held back
-        until the next text settles it; at a stop string the generation ends, cut right before it."""
+        until the next text settles it; at a stop string the generation ends, cut right before it.
+        With `limits`, each token's text is also shown to them; one that ends the generation
+        says where its text ends."""
         base = len(self.text)  # the offset of `_held` (and so of `buffer`) in the whole text
         buffer, n_held = self._held, len(self._held)
         cut = None  # the stop string's offset in `buffer`
@@ -192,9 +204,17 @@ class Generation:
             searched, buffer = len(buffer), buffer + piece
             if i < n_from_draft:
                 drafted_end = len(buffer)
-            cut = first_stop(buffer, max(0, searched), self.stop) if piece else None
+            cut = first_stop(buffer, max(0, searched), self.stop) if piece and self.stop else None
             if cut is not None:
+                # (the shortest stop string there completed first: a longer one would end later)
+                self.stop_word, reason = min((s for s in self.stop if buffer.startswith(s, cut)), key=len), STOP_STRING
                 break
+            if self.limits is not None:
+                hit = self.limits.after_token(self.text + buffer, base + searched)
+                if hit is not None:
+                    reason, end = hit
+                    cut = end - base
+                    break
         if cut is None:
             keep = len(buffer) - partial_stop_len(buffer, self.stop)
             released, self._held = buffer[:keep], buffer[keep:]
@@ -210,13 +230,13 @@ class Generation:
                 del self.token_ids[n_keep:]
                 self.stats.n_tokens -= n_before - n_keep
             del self._starts[n_keep:]
-            stop = STOP_STRING
+            stop = reason
         n_from_draft = min(n_from_draft, len(kept))
         # (text held back from an earlier step is shown with this step's drafts, if it has any)
         split = min(drafted_end, len(released)) if n_from_draft else 0
         self.token_ids.extend(kept)
         self.text += released
-        self.stats.record_step(n_drafted, n_from_draft, len(kept), source=source if n_drafted else None)
+        self.stats.record_step(n_drafted, n_from_draft, len(kept), source=source if n_drafted else None, n_decided=n_decided)
         if stop is not None:
             self.finish(stop)
         return Step(kept, released[:split], released[split:], n_drafted=n_drafted, n_accepted=n_from_draft)
@@ -225,7 +245,7 @@ class Generation:
         """Stop with `reason` (one of the STOP_* values); flushes the text held back (a pending
         character, a possible start of a stop string) unless a stop string cut the text."""
         self.stop_reason = reason
-        if self._stream is not None and reason != STOP_STRING:
+        if self._stream is not None and reason not in _CUTTING:
             self.text += self._held + self._stream.flush()
         self._held, self._stream = "", None
 
@@ -560,6 +580,7 @@ class SequenceStep:
             # The pass that finished the prompt is the prompt's time (as llama.cpp counts it),
             # although its first tokens came out of it; generation starts after it.
             gen.stats.prompt_s += pass_s + verify_s
+            gen.stats.prompt_pass_decided = gen.stats.decided
             self._t_gen = time.perf_counter()
         else:
             gen.stats.verify_s += pass_s + verify_s  # (a shared pass: its whole wall time)

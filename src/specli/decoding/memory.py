@@ -23,7 +23,7 @@ Why this index rather than a suffix automaton or a suffix array:
 - Latency. A lookup is a fixed, small number of numpy calls (two segments x seven key lengths
   of one searchsorted each, then one gather over at most 64 x 64 tokens), whatever the store
   holds: 0.03-0.05 ms median, under 0.2 ms at the 99th percentile, in a store of 1,000,000
-  tokens on a shared 2-core machine (benchmarks/memory_latency.py). A suffix
+  tokens on a shared 2-core machine (benchmarks/memory_latency.py, in git history at 048e22a). A suffix
   array over the reversed tokens finds the exact longest match too, but by a binary search
   whose every step compares token slices in Python (about 60 steps per lookup); a suffix
   automaton needs a state per token in Python objects (hundreds of bytes each) or a

@@ -164,7 +164,7 @@ class MemoryDrafter:
     match, latest) among those that begin with the first token most places agree on, and only
     when more than half of the places found agree on it: where earlier texts went different
     ways after the same words (a name, a date, an argument), memory does not guess. (Replayed on repeated workloads,
-    benchmarks/memory_replay.py, at a fixed --draft-max of 8 or 16: 6-21% fewer refused drafts,
+    benchmarks/memory_replay.py at 048e22a, now `bench.py memory replay`, at a fixed --draft-max of 8 or 16: 6-21% fewer refused drafts,
     tokens per pass within 1%.)
     Its `consensus` is how many leading tokens more than half of the places agree on; by
     default the judge's cap is the candidate's whole length, and with `cap_at_consensus` the

@@ -45,11 +45,13 @@ class ItemDone:
 
 
 def tokenize_item(model_tgt: LlamaModel, item: GenerationRequest) -> list[int]:
-    """The item's prompt tokens (the engine refuses a prompt that leaves no room to generate)."""
+    """The item's prompt tokens (the engine refuses a prompt that leaves no room to generate):
+    a raw prompt's as llama.cpp makes them, its control text parsed unless the item says not to
+    (LlamaModel.tokenize_prompt)."""
     ids = getattr(item, "prompt_ids", None)  # a chat item comes rendered and tokenized (batch --chat)
     if ids is not None:
         return list(ids)
-    return model_tgt.tokenize(item.prompt, add_bos=model_tgt.vocab_info().add_bos)
+    return model_tgt.tokenize_prompt(item.prompt, parse_special=getattr(item, "parse_special", True))
 
 
 def item_error(err: Exception, describe: Describe = str) -> str:

@@ -15,10 +15,20 @@ target's own token. Under `--draft-max auto` the policy is told each step as the
 it, with the table's seconds as the pass's time and no time for drafting or the loop (lookup
 spends 0.1-0.3 ms a step in Python, against passes of milliseconds or more).
 
-What it cannot replay: a draft model (its proposals come from its own logits), and a text
-that batch numerics would make differ from the plain run's (near-ties on quantized models,
-README "Limits"): the replay's text is the plain run's throughout. docs/benchmarking.md,
-"Replays", says how the benchmarks use it.
+A draft model is replayed from its trace (`DraftTrace`): its greedy choice and confidence at
+every position of the text, from one batch pass over the text. Its greedy draft from a position
+is the trace's choices as long as they equal the text (each conditioned on the text so far,
+which the draft equals up to there), then its first wrong token; the tokens after that are
+conditioned on a wrong token, so the trace cannot know them: they count as refused, with the
+confidences of the positions they stand at as a stand-in (only `--draft-max auto`'s choice to
+keep them reads those). A drafted token costs `t_draft` seconds (a draft pass), so does a token
+the draft model was run to look at and the policy did not keep.
+
+What it cannot replay: a text that batch numerics would make differ from the plain run's
+(near-ties on quantized models, README "Limits"): the replay's text is the plain run's
+throughout; nor a draft model's catch-up after plain steps (a batch pass, cheap per token), nor
+its window when it starts over after a long plain stretch. docs/benchmarking.md, "Replays",
+says how the benchmarks use it.
 """
 
 from __future__ import annotations
@@ -119,6 +129,7 @@ class Replay:
     widths: list[int] = field(default_factory=list)  # tokens in each pass (1 + drafted)
     accepted: list[int] = field(default_factory=list)  # drafts accepted by each pass
     n_tokens: int = 0  # tokens generated
+    draft_s: float = 0.0  # the draft model's time (a trace's t_draft per token it drafted or looked at)
 
     @property
     def passes(self) -> int:
@@ -142,8 +153,9 @@ class Replay:
         return self.n_tokens / self.passes if self.passes else 0.0
 
     def modelled_s(self, costs: Callable[[int], float]) -> float:
-        """The generation's time with every pass charged from `costs` (width -> seconds)."""
-        return sum(costs(w) for w in self.widths)
+        """The generation's time with every pass charged from `costs` (width -> seconds), and
+        the draft model's time."""
+        return sum(costs(w) for w in self.widths) + self.draft_s
 
 
 def agreeing(draft: Sequence[int], text: Sequence[int], at: int) -> int:
@@ -191,15 +203,21 @@ def replay(
         assert len(draft) <= k
         n_acc = agreeing(draft, text, pos)
         emitted = text[pos : pos + n_acc + 1]
+        draft_s = getattr(drafter, "last_draft_s", 0.0) if proposal is not None else 0.0
         if draft:
             drafter.update(len(draft), n_acc)
         if policy is not None and step > 0:  # (the first pass's times price the prompt: the engine tells only its verdict)
             policy.observe(StepReport(
                 source=proposal.source if proposal is not None else None, n_drafted=len(draft), n_accepted=n_acc,
-                confidences=None, draft_s=0.0, pass_tokens=len(draft) + 1, pass_s=costs(len(draft) + 1),
+                confidences=proposal.confidences if proposal is not None else None, draft_s=draft_s,
+                pass_tokens=len(draft) + 1, pass_s=costs(len(draft) + 1),
+                token_s=proposal.token_s if proposal is not None else None,
+                first_s=proposal.first_s if proposal is not None else None,
                 context_len=len(context), gap_s=None if step == 1 else 0.0,
                 cpu_s=None if utilization is None else utilization * costs(len(draft) + 1),
             ))  # fmt: skip
+        if step > 0:  # (the first step's drafting is part of the prompt's time, as its pass)
+            out.draft_s += draft_s
         step += 1
         out.widths.append(len(draft) + 1)
         out.accepted.append(n_acc)
@@ -234,7 +252,7 @@ def candidates(text: Sequence[int], prompt_len: int, drafter, n_max: int = 64, e
 class Oracle:
     """The best any choice of draft lengths could do with a drafter's proposals."""
 
-    modelled_s: float
+    modelled_s: float  # passes and drafting
     widths: tuple[int, ...]  # the passes of the best choice
     n_tokens: int
 
@@ -244,9 +262,10 @@ class Oracle:
 
 
 def oracle(text: Sequence[int], prompt_len: int, proposals: Sequence[Sequence[int]], costs: Callable[[int], float],
-           end: int | None = None) -> Oracle:  # fmt: skip
+           end: int | None = None, t_draft: float = 0.0) -> Oracle:  # fmt: skip
     """The least modelled time over every choice of draft length at every step, each step's
-    draft being a prefix of the drafter's proposal at that position (`candidates`).
+    draft being a prefix of the drafter's proposal at that position (`candidates`), each
+    drafted token costing `t_draft` on top of the pass (a draft model's).
 
     Dynamic programming from the end: from position p, a draft of k <= a tokens (a = how many
     of the proposal the text agrees with) is accepted whole and moves to p + k + 1 for T(k + 1);
@@ -263,7 +282,7 @@ def oracle(text: Sequence[int], prompt_len: int, proposals: Sequence[Sequence[in
         a = min(agreeing(proposals[i], text, pos), end - pos - 1)
         best_s, best_k = math.inf, 0
         for k in range(a + 1):
-            s = costs(k + 1) + best[i + k + 1]
+            s = costs(k + 1) + k * t_draft + best[i + k + 1]
             if s < best_s:
                 best_s, best_k = s, k
         best[i], choice[i] = best_s, best_k
@@ -273,3 +292,94 @@ def oracle(text: Sequence[int], prompt_len: int, proposals: Sequence[Sequence[in
         widths.append(choice[i] + 1)
         i += choice[i] + 1
     return Oracle(best[0], tuple(widths), n)
+
+
+NEVER = -1  # a token no text holds: a trace's draft after its first wrong token
+
+
+@dataclass(frozen=True)
+class DraftTrace:
+    """A draft model's greedy choice and its confidence (the choice's probability) at every
+    position of a text: `choices[i]` follows text[:start + i]."""
+
+    start: int
+    choices: tuple[int, ...]
+    confidences: tuple[float, ...]
+
+    def draft(self, text: Sequence[int], pos: int, n: int) -> tuple[list[int], list[float]]:
+        """The greedy draft of up to n tokens after text[:pos], and the confidences to judge it by."""
+        tokens, confs, wrong = [], [], False
+        for i in range(pos, min(pos + n, self.start + len(self.choices))):
+            choice = self.choices[i - self.start]
+            tokens.append(NEVER if wrong else choice)
+            confs.append(self.confidences[i - self.start])
+            wrong = wrong or i >= len(text) or choice != text[i]
+        return tokens, confs
+
+
+class TraceDrafter:
+    """A draft model replayed from its trace, with the protocol and the judge's calls of
+    drafters.DraftModelDrafter: limit, then keep/last per token when the judge wants the
+    draft's confidence. Every token drafted, or looked at and not kept, costs t_draft."""
+
+    name = "draft-model"
+
+    def __init__(self, text: Sequence[int], trace: DraftTrace, t_draft: float):
+        self.text, self.trace, self.t_draft = list(text), trace, t_draft
+        self.last_draft_s = 0.0
+
+    def begin(self, prompt: Sequence[int], *args) -> None:
+        self.last_draft_s = 0.0
+
+    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED):
+        from specli.decoding.drafters import Proposal
+
+        self.last_draft_s = 0.0
+        n = judge.limit(self.name, n_max, len(context)) if n_max > 0 else 0
+        if n <= 0:
+            return Proposal([], source=self.name)
+        tokens, confs = self.trace.draft(self.text, len(context), n)
+        kept: list[int] = []
+        confidences: list[float] | None = [] if judge.wants_confidence else None
+        looked = 0
+        for token, confidence in zip(tokens, confs):
+            looked += 1
+            if confidences is not None:
+                if not judge.keep(self.name, len(kept), confidence):
+                    break
+                confidences.append(confidence)
+            kept.append(token)
+            if confidences is not None and judge.last():
+                break
+        self.last_draft_s = looked * self.t_draft
+        return Proposal(kept, source=self.name, confidences=confidences,
+                        token_s=self.t_draft if looked > 1 else None, first_s=self.t_draft)  # fmt: skip
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        pass
+
+
+class ReplayHybrid:
+    """drafters.HybridDrafter over a lookup drafter and a TraceDrafter: lookup's copy when the
+    text so far has a match, else the draft model's."""
+
+    name = "hybrid"
+
+    def __init__(self, lookup, model: TraceDrafter):
+        self.lookup, self.model = lookup, model
+        self.last_draft_s = 0.0
+
+    def begin(self, prompt: Sequence[int], *args) -> None:
+        self.lookup.begin(prompt)
+        self.model.begin(prompt)
+
+    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED):
+        proposal = self.lookup.propose(context, n_max, judge)
+        self.last_draft_s = 0.0
+        if not proposal.tokens:
+            proposal = self.model.propose(context, n_max, judge)
+            self.last_draft_s = self.model.last_draft_s
+        return proposal
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        self.lookup.update(n_drafted, n_accepted)

@@ -6,10 +6,14 @@
 - target_passes: target decodes during generation, one per step; the first step's also holds
   the prompt's end (the part after its whole passes of one batch: the first tokens come from the
   pass that finishes the prompt, as llama-server's do); the prompt's other passes are not counted.
-- mean_tokens_per_pass = generated tokens / target passes (1.0 = no gain from drafting;
-  equals 1 + accepted/passes when no step was cut short by a stop token).
-- tokens_per_s = generated tokens / generation time (prompt processing excluded, although the
-  first tokens come out of the prompt's last pass: as llama-server counts them).
+- decided: tokens the target's passes decided: the generated tokens, plus the end-of-generation
+  token that ended a reply and any tokens a stop string cut off (a pass made them too).
+- mean_tokens_per_pass = decided / target passes: exactly 1.0 for plain decoding (a reply that
+  ends at EOS included), and 1 + accepted/passes when drafting.
+- tokens_per_s = tokens decided by the passes after the prompt's last one / their time (the
+  generation time): the speed of decoding, prompt processing excluded, as llama.cpp's "eval
+  time" counts it. The tokens of the prompt's last pass (the first one or few) are the prompt's
+  (prompt_s); None when that pass decided them all (a one-token reply has no decoding speed).
 - prompt_s: time to put the prompt into the target's (and the draft model's) cache, the pass
   that finishes it included; in `serve` with several slots, from the first of its batches to
   the last, the other slots' passes between them included.
@@ -31,6 +35,8 @@ from dataclasses import dataclass, field
 @dataclass
 class Stats:
     n_tokens: int = 0
+    decided: int = 0  # see the module docstring
+    prompt_pass_decided: int = 0  # ... of them, by the pass that finished the prompt
     drafted: int = 0
     accepted: int = 0
     target_passes: int = 0
@@ -53,11 +59,12 @@ class Stats:
 
     @property
     def mean_tokens_per_pass(self) -> float | None:
-        return self.n_tokens / self.target_passes if self.target_passes else None
+        return self.decided / self.target_passes if self.target_passes else None
 
     @property
     def tokens_per_s(self) -> float | None:
-        return self.n_tokens / self.generation_s if self.generation_s > 0 else None
+        decoded = self.decided - self.prompt_pass_decided
+        return decoded / self.generation_s if decoded > 0 and self.generation_s > 0 else None
 
     @property
     def mean_draft_length(self) -> float | None:
@@ -67,14 +74,17 @@ class Stats:
     def wall_s(self) -> float:
         return self.prompt_s + self.generation_s
 
-    def record_step(self, n_drafted: int, n_accepted: int, n_emitted: int, source: str | None = None) -> None:
-        """Count one target pass that checked `n_drafted` drafts (from `source`) and emitted
-        `n_emitted` tokens."""
+    def record_step(self, n_drafted: int, n_accepted: int, n_emitted: int, source: str | None = None,
+                    n_decided: int | None = None) -> None:  # fmt: skip
+        """Count one target pass that checked `n_drafted` drafts (from `source`), emitted
+        `n_emitted` tokens and decided `n_decided` (default: n_emitted; more when it also made
+        the end-of-generation token, or tokens a stop string cut off)."""
         assert 0 <= n_accepted <= n_drafted
         self.target_passes += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
         self.n_tokens += n_emitted
+        self.decided += n_emitted if n_decided is None else n_decided
         _add_counts(self.drafted_at, [1] * n_drafted)
         _add_counts(self.accepted_at, [1] * n_accepted)
         _add_counts(self.draft_lengths, [0] * n_drafted + [1])
@@ -92,7 +102,7 @@ class Stats:
 
     def add(self, other: "Stats") -> None:
         """Add another run's counts and times to these (session totals)."""
-        for name in ("n_tokens", "drafted", "accepted", "target_passes", "prompt_tokens", "prompt_reused",
+        for name in ("n_tokens", "decided", "prompt_pass_decided", "drafted", "accepted", "target_passes", "prompt_tokens", "prompt_reused",
                      "prompt_s", "draft_s", "verify_s", "generation_s"):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at),

@@ -10,7 +10,7 @@ import numpy as np
 import llama_cpp
 
 from specli.errors import SettingError, SpecliError
-from specli.llama.model import LlamaModel, context_params, free_context, sync_cache
+from specli.llama.model import LlamaModel, context_params, free_context, memory_can_shift, reuse_cache_chunks, sync_cache
 from specli.llama.native import last_native_error, native_pass
 
 MIN_CTX = 16
@@ -123,9 +123,21 @@ class MultiSequenceContext:
         """Forget positions >= n_keep of sequence `seq`."""
         if n_keep >= len(self.cached[seq]):
             return
-        if not llama_cpp.llama_memory_seq_rm(self._memory, seq, n_keep, -1):
-            raise SpecliError(f"llama.cpp cannot remove cache entries from position {n_keep} of sequence {seq} for {self.path.name}")
+        self._remove_from(seq, n_keep)
         del self.cached[seq][n_keep:]
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether cached entries can be moved to other positions (LlamaModel.can_shift)."""
+        return memory_can_shift(self._memory if self._ctx else None)
+
+    def reuse_chunks(self, seq: int, tokens: Sequence[int], min_chunk: int) -> int:
+        """LlamaModel.reuse_chunks for sequence `seq`."""
+        return reuse_cache_chunks(self._memory, seq, self.cached[seq], tokens, min_chunk, lambda pos: self._remove_from(seq, pos))
+
+    def _remove_from(self, seq: int, pos: int) -> None:
+        if not llama_cpp.llama_memory_seq_rm(self._memory, seq, pos, -1):
+            raise SpecliError(f"llama.cpp cannot remove cache entries from position {pos} of sequence {seq} for {self.path.name}")
 
     def clear(self, seq: int) -> None:
         """Empty sequence `seq` (its cells go back to the pool), including untracked entries."""
@@ -167,6 +179,13 @@ class SequenceView:
 
     def truncate(self, n_keep: int) -> None:
         self._seqs.truncate(self._seq, n_keep)
+
+    @property
+    def can_shift(self) -> bool:
+        return self._seqs.can_shift
+
+    def reuse_chunks(self, tokens: Sequence[int], min_chunk: int) -> int:
+        return self._seqs.reuse_chunks(self._seq, tokens, min_chunk)
 
     def sync(self, context: Sequence[int]) -> np.ndarray:
         """As LlamaModel.sync: keep the common prefix, evaluate the rest, return the last logits."""

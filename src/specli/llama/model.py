@@ -18,14 +18,15 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 
 import llama_cpp
 
 from specli.errors import ModelFileError, SpecliError
-from specli.gguf import check_model_header
+from specli.files import NotRegularFile, open_regular
+from specli.gguf import check_model_header, not_regular_error
 from specli.llama.devices import default_threads
 from specli.llama.native import (
     clear_native_log, ensure_backend, interrupt_requested, last_native_error, native, native_pass, progress_callback,
@@ -55,11 +56,11 @@ def check_gguf_file(path: Path) -> None:
     """Raise ModelFileError unless `path` is a readable file that starts like a GGUF."""
     if not path.exists():
         raise ModelFileError(f"model file not found: {path} (check the path or use a models.toml name)")
-    if path.is_dir():
-        raise ModelFileError(f"{path} is a directory, not a GGUF file (pass the .gguf file inside it)")
     try:
-        with path.open("rb") as handle:
+        with open_regular(path) as handle:  # (a FIFO would block the open, a device be read)
             magic = handle.read(4)
+    except NotRegularFile as err:
+        raise not_regular_error(path, err.kind) from None
     except OSError as err:
         raise ModelFileError(f"cannot read {path}: {err.strerror} (check its permissions)") from err
     if magic != GGUF_MAGIC:
@@ -274,6 +275,28 @@ class LlamaModel:
         """True for end-of-generation tokens (EOS, end-of-turn, ...)."""
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
+    def fim_tokens(self) -> dict[str, int | None]:
+        """The vocabulary's fill-in-the-middle tokens as llama.cpp finds them (from the GGUF's
+        tokenizer.ggml.fim_*_token_id, else by their text: <|fim_prefix|>, <PRE>, ...): "pre",
+        "suf", "mid", and the repo-level "rep" and "sep"; None where the model has none."""
+        v, null = self._vocab, llama_cpp.LLAMA_TOKEN_NULL
+        found = {
+            "pre": llama_cpp.llama_vocab_fim_pre(v), "suf": llama_cpp.llama_vocab_fim_suf(v), "mid": llama_cpp.llama_vocab_fim_mid(v),
+            "rep": llama_cpp.llama_vocab_fim_rep(v), "sep": llama_cpp.llama_vocab_fim_sep(v),
+        }  # fmt: skip
+        return {name: None if token == null else int(token) for name, token in found.items()}
+
+    def special_piece(self, token: int) -> bytes:
+        """The bytes `token` renders to with control tokens as their text (llama.cpp's
+        common_token_to_piece with special=true: what llama-server's /detokenize and /tokenize's
+        pieces show). Not cached: piece() is the one generation uses."""
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        return buf.raw[:n]
+
     # --- text <-> tokens --------------------------------------------------------------------
     def tokenize(self, text: str, *, add_bos: bool = True, parse_special: bool = False) -> list[int]:
         """Tokens of `text`, with BOS first when the model wants one and `add_bos` is set."""
@@ -286,6 +309,19 @@ class LlamaModel:
             buf = (llama_cpp.llama_token * capacity)()
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_bos, parse_special)
         return list(buf[:n])
+
+    def tokenize_prompt(self, text: str, *, parse_special: bool = True) -> list[int]:
+        """A raw prompt's tokens as llama.cpp's CLI and server make them by default
+        (common_tokenize with add_special and parse_special): a template's control text written
+        into the prompt (`<|im_start|>`, `<start_of_turn>`) becomes its control token, and BOS
+        comes first where the model wants one. One difference: a prompt that starts with the BOS
+        text itself keeps one BOS, where llama.cpp sends two (and warns). parse_special=False
+        (--no-parse-special): all of it is text, as chat messages always are."""
+        info = self.vocab_info()
+        ids = self.tokenize(text, add_bos=info.add_bos, parse_special=parse_special)
+        if parse_special and info.add_bos and len(ids) >= 2 and ids[0] == ids[1] == info.bos:
+            del ids[0]
+        return ids
 
     def piece(self, token: int) -> bytes:
         """The bytes `token` renders to (control tokens render empty). Cached: pieces never change."""
@@ -437,6 +473,25 @@ class LlamaModel:
         self._remove_from(n_keep)
         del self.cached[n_keep:]
 
+    @property
+    def can_shift(self) -> bool:
+        """Whether cached entries can be moved to other positions (llama_memory_can_shift:
+        not for M-RoPE models, nor sliding-window caches smaller than the context, which
+        specli's contexts never make: llama.cpp's default keeps every position)."""
+        return memory_can_shift(self._memory)
+
+    def reuse_chunks(self, tokens: Sequence[int], min_chunk: int) -> int:
+        """llama-server's --cache-reuse: keep the common prefix with `tokens`, then move every
+        later run of at least `min_chunk` cached tokens that `tokens` holds next (plan_chunk_reuse)
+        to its place in `tokens`, dropping the rest. Returns how many leading tokens of `tokens`
+        the cache holds now. Needs can_shift."""
+        self.drop_tree()
+        n_before = len(self.cached)
+        n_keep = reuse_cache_chunks(self._memory, 0, self.cached, tokens, min_chunk, self._remove_from)
+        if n_keep < n_before:  # (entries dropped or moved: a move always leaves fewer behind it)
+            self._tail_logits = None
+        return n_keep
+
     def _remove_from(self, pos: int) -> None:
         assert self._ctx, "internal: this model's own context was released"
         if not llama_cpp.llama_memory_seq_rm(self._memory, 0, pos, -1):
@@ -553,6 +608,62 @@ def fill_cache(model: LlamaModel, tokens: Sequence[int], budget: int | None = No
     end = len(tokens) if budget is None else min(len(tokens), start + budget)
     model.eval(tokens[start:end], logits="none")
     return end == len(tokens)
+
+
+def plan_chunk_reuse(cached: Sequence[int], tokens: Sequence[int], min_chunk: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """Which cached entries a new prompt can keep, as llama-server's --cache-reuse N decides
+    (server-context.cpp): the common prefix, then, walking both on, every run of at least
+    `min_chunk` equal tokens (an editor's file after lines above the cursor changed: the rest of
+    it, now at other positions). Returns (n_keep, moves): after the moves the cache holds
+    tokens[:n_keep]; a move (src, dst, n) takes cached[src:src+n] to positions dst..dst+n-1
+    (dst < src: each chunk moves left, over what lay between)."""
+    n_keep = common_prefix_len(cached, tokens)
+    moves: list[tuple[int, int, int]] = []
+    if min_chunk < 1:
+        return n_keep, moves
+    head_c = head_p = n_keep
+    while head_c < len(cached) and head_p < len(tokens):
+        n = 0
+        while head_c + n < len(cached) and head_p + n < len(tokens) and cached[head_c + n] == tokens[head_p + n]:
+            n += 1
+        if n >= min_chunk:
+            moves.append((head_c, head_p, n))
+            head_c, head_p = head_c + n, head_p + n
+        else:
+            head_c += 1
+    return head_p, moves
+
+
+def memory_can_shift(memory) -> bool:
+    """Whether a llama.cpp memory (None: a released context) can move its entries to other
+    positions (llama_memory_can_shift: not for M-RoPE models, nor sliding-window caches smaller
+    than the context)."""
+    return bool(memory) and bool(llama_cpp.llama_memory_can_shift(memory))
+
+
+def reuse_cache_chunks(memory, seq: int, cached: list[int], tokens: Sequence[int], min_chunk: int,
+                       remove_from: Callable[[int], None]) -> int:  # fmt: skip
+    """--cache-reuse on sequence `seq` of a llama.cpp memory whose entries `cached` lists: plan
+    (plan_chunk_reuse), move the chunks (shift_chunks), then drop every entry from the kept
+    length on (`remove_from(pos)`, the owner's, which raises SpecliError when llama.cpp cannot);
+    `cached` becomes tokens[:n_keep]. Returns n_keep. The owners (LlamaModel.reuse_chunks,
+    MultiSequenceContext.reuse_chunks) add their own bookkeeping."""
+    n_keep, moves = plan_chunk_reuse(cached, tokens, min_chunk)
+    if moves:
+        shift_chunks(memory, seq, moves)
+    if moves or n_keep < len(cached):
+        remove_from(n_keep)
+        cached[:] = tokens[:n_keep]
+    return n_keep
+
+
+def shift_chunks(memory, seq: int, moves: Sequence[tuple[int, int, int]]) -> None:
+    """Apply plan_chunk_reuse's moves to sequence `seq` of a llama.cpp memory: drop what lies
+    between a chunk's new place and its old one, then shift its positions (llama.cpp re-rotates
+    the keys at the next decode)."""
+    for src, dst, n in moves:
+        llama_cpp.llama_memory_seq_rm(memory, seq, dst, src)
+        llama_cpp.llama_memory_seq_add(memory, seq, src, src + n, dst - src)
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from specli.errors import SpecliError, UsageError
+from specli.errors import EXIT_INTERRUPTED, SpecliError, UsageError
 from specli.llama.devices import device_memory, ggml
 from specli.llama.native import ensure_backend, ggml_library, pass_running_since
 
@@ -85,6 +85,14 @@ def check_reachable(endpoint: str, timeout: float = RPC_TIMEOUT_S) -> None:
     connection is a UsageError (llama.cpp itself would abort the process), a peer that accepts
     and says nothing, or answers as something else, a SpecliError (llama.cpp would wait for it
     for ever, deaf to Ctrl-C). The connection is closed after: a server takes the next one."""
+    try:
+        _check_handshake(endpoint, timeout)
+    except KeyboardInterrupt:
+        # (Typer would turn it into exit 130 without a word: the line is said here)
+        raise SpecliError(f"interrupted while waiting for the RPC server at {endpoint} to answer", exit_code=EXIT_INTERRUPTED) from None
+
+
+def _check_handshake(endpoint: str, timeout: float) -> None:
     host, _, port = endpoint.partition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=min(timeout, CONNECT_TIMEOUT_S))
@@ -210,6 +218,33 @@ def on_stall(callback) -> None:
     _on_stall.append(callback)
 
 
+_stop_asked: float | None = None  # when serve was asked to stop (stop_asked())
+STOP_WAIT_S = 5.0  # ... how long a pass then still gets before it is not waited for (a slow
+# prefill batch over RPC may need seconds; a supervisor's SIGKILL comes 10-30 s after SIGTERM)
+
+
+def stop_asked() -> None:
+    """serve was asked to stop (one SIGTERM or Ctrl-C; called from its signal handler). A pass
+    still running STOP_WAIT_S later is not waited for: the on_stall callbacks answer every
+    request, then the process leaves (exit 130). What stops serve sends one SIGTERM and a
+    SIGKILL 10-30 s later (docker stop, systemd, Kubernetes); a pass waiting on a stalled
+    server, which nothing can interrupt, would hold the exit for the whole --rpc-timeout."""
+    global _stop_asked
+    if _stop_asked is None:
+        _stop_asked = time.monotonic()
+
+
+def _answer_requests(why: str) -> None:
+    """The on_stall callbacks told `why`, and STALL_GRACE_S for their answers to go out."""
+    for callback in _on_stall:
+        try:
+            callback(why)
+        except Exception:
+            pass
+    if _on_stall:
+        time.sleep(STALL_GRACE_S)
+
+
 def watch(timeout: float) -> None:
     """Start (once; a later call may only shorten the wait) the watchdog: a pass that has not
     returned after `timeout` s ends the process with one line and exit 1 (130 after a Ctrl-C),
@@ -253,19 +288,16 @@ def _watchdog(signals: int | None) -> None:
         servers = ", ".join(_added) or "the RPC servers"
         if len(asked) >= 2:
             _leave(130, f"specli: interrupted while waiting for {servers}")
-        if asked and not hinted and now - asked[0] > INTERRUPT_HINT_S:
+        if _stop_asked is not None and now - max(_stop_asked, since) > STOP_WAIT_S:
+            _answer_requests(f"the server is shutting down and a pass still waits for the RPC server(s) at {servers}; send the request again once it is back")
+            _leave(130, f"specli: interrupted while waiting for {servers}: serve stopped without that pass, its requests answered 503")
+        if asked and not hinted and _stop_asked is None and now - asked[0] > INTERRUPT_HINT_S:
             os.write(2, f"specli: stopping after this pass, which waits for {servers}; Ctrl-C again to leave now\n".encode())
             hinted = True
         if now - since > _watch_timeout:
             why = (f"no answer from the RPC server(s) at {servers}: a pass has waited {_watch_timeout:g} s (a stalled server or "
                    "network, or a pass slower than --rpc-timeout SECONDS allows)")  # fmt: skip
-            for callback in _on_stall:
-                try:
-                    callback(why)
-                except Exception:
-                    pass
-            if _on_stall:
-                time.sleep(STALL_GRACE_S)
+            _answer_requests(why)
             _leave(130 if asked else 1, f"specli: error: {why}; what was written so far is kept")
 
 

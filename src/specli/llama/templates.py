@@ -16,6 +16,7 @@ try:
 except ImportError:  # (not on Windows: the deadline and the other caps still hold)
     resource = None
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -95,16 +96,51 @@ def _memory_reader():
         return (lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit), None
 
 
+def _faults() -> dict[int, int] | None:
+    """Each thread's minor page faults so far (/proc/self/task/*/stat), by native thread id; None
+    where they are not known. A thread grows the process's memory by touching new pages, each
+    a fault counted for that thread."""
+    counts = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as stat:
+                counts[int(tid)] = int(stat.read().rsplit(b")", 1)[1].split()[7])  # (field 10, minflt; the name before it may hold spaces)
+        except (OSError, ValueError, IndexError):
+            continue  # (a thread that has just ended)
+    return counts
+
+
+def _grew_it(tid: int, before: dict[int, int] | None) -> bool:
+    """Whether thread `tid` touched more new memory since `before` than any other thread of the
+    process (True where that is not known: the process's growth is then taken for its own)."""
+    now = _faults()
+    if before is None or now is None or tid not in now or tid not in before:
+        return True
+    mine = now[tid] - before[tid]
+    return mine > 0 and all(count - before.get(other, 0) <= mine for other, count in now.items() if other != tid)
+
+
 @contextlib.contextmanager
 def _deadline(seconds: float, memory: int):
     """Raise _RenderTimeout inside the code running in this thread once `seconds` have passed, or
     once the process's memory has grown by `memory` bytes: Jinja compiles a template to
     Python, whose every line a trace function sees (a loop that writes nothing included), and
     an exception it raises stops the template there. The thread's own trace function (a
-    debugger, coverage) is put back after."""
+    debugger, coverage) is put back after.
+
+    The memory is the process's, which other threads grow too (serve renders several templates
+    at once, and generates meanwhile): the growth is blamed on this render only when its own
+    thread touched the most new memory since it began (_grew_it), so one that loops without
+    building anything beside one that builds a huge string is stopped for its time, not for
+    the other's memory."""
     end = time.monotonic() + seconds
     used, fd = _memory_reader()
     ceiling = used() + memory if used else None
+    tid, before = threading.get_native_id(), _faults() if used else None
     count = 0
 
     def tracer(frame, event, arg):
@@ -113,7 +149,7 @@ def _deadline(seconds: float, memory: int):
         if count % 256 == 0:
             if time.monotonic() > end:
                 raise _RenderTimeout(f"ran for over {seconds:g} s without finishing")
-            if ceiling is not None and used() > ceiling:
+            if ceiling is not None and used() > ceiling and _grew_it(tid, before):
                 raise _RenderTimeout(f"took over {memory >> 20} MiB of memory")
         return tracer
 

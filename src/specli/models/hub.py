@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specli.errors import RegistryError, SpecliError, UsageError
+from specli.files import NotRegularFile, open_regular
 
 # A repo id as the hub allows it ("org/name"), then ":QUANT" or "/path/in/repo.gguf".
 _REPO = r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -119,38 +120,67 @@ def _no_quant(ref: HfRef, files: list[str], where: str) -> RegistryError:
 
 
 def cached_path(repo: str, filename: str) -> str | None:
-    """The file's path in the local Hugging Face cache, or None (no network)."""
+    """The file's path in the local Hugging Face cache, or None (no network). A repo whose ref
+    is damaged counts as not cached (see _commit): the hub client would read the ref as text,
+    and a UnicodeDecodeError would end a whole listing."""
     import huggingface_hub
 
+    if _main_ref(repo).exists() and _commit(_main_ref(repo)) is None:
+        return None
     cached = huggingface_hub.try_to_load_from_cache(repo_id=repo, filename=filename)
     # Besides None it may return a "known not to exist" marker: not a path either.
     return cached if isinstance(cached, str) and os.path.isfile(cached) else None
 
 
-def cached_snapshot(repo: str) -> Path | None:
-    """The cached snapshot folder of the repo's main revision (what try_to_load_from_cache
-    reads), or None when the repo is not cached."""
+def _main_ref(repo: str) -> Path:
+    """Where the Hugging Face cache records the commit of the repo's main revision."""
     from huggingface_hub import constants
     from huggingface_hub.file_download import repo_folder_name
 
-    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model")
-    commit = _commit(folder / "refs" / "main")
-    snapshot = folder / "snapshots" / commit if commit else None
+    return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model") / "refs" / "main"
+
+
+def cached_snapshot(repo: str) -> Path | None:
+    """The cached snapshot folder of the repo's main revision (what try_to_load_from_cache
+    reads), or None when the repo is not cached."""
+    ref = _main_ref(repo)
+    commit = _commit(ref)
+    snapshot = ref.parent.parent / "snapshots" / commit if commit else None
     return snapshot if snapshot is not None and snapshot.is_dir() else None
+
+
+_reported_refs: set[str] = set()  # damaged refs already named on stderr (one line each)
 
 
 def _commit(ref: Path) -> str | None:
     """The commit a cache's ref names, or None when there is no such ref or it is damaged: only
     a regular file is read (a FIFO would block), a few bytes of it, and only a hexadecimal
-    commit name is taken (one like "/" or "../.." would lead the listing out of the cache)."""
+    commit name is taken (one like "/" or "../.." would lead the listing out of the cache). A
+    damaged ref is named on stderr once, with why it is skipped: the repo then looks absent,
+    and the user could not tell why."""
     try:
-        if not ref.is_file():
-            return None
-        with ref.open("rb") as handle:
+        with open_regular(ref) as handle:
             text = handle.read(128).decode("ascii").strip()
-    except (OSError, UnicodeDecodeError):
+    except FileNotFoundError:
         return None
-    return text if re.fullmatch(r"[0-9a-f]{7,64}", text) else None
+    except NotRegularFile as err:
+        return _skip_ref(ref, f"it is {err.kind}")
+    except OSError as err:
+        return _skip_ref(ref, f"it cannot be read ({err.strerror or err})")
+    except UnicodeDecodeError:
+        return _skip_ref(ref, "it is not text (it should hold a commit hash)")
+    if not re.fullmatch(r"[0-9a-f]{7,64}", text):
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        return _skip_ref(ref, f"{shown!r} is not a commit hash")
+    return text
+
+
+def _skip_ref(ref: Path, why: str) -> None:
+    if str(ref) not in _reported_refs:
+        _reported_refs.add(str(ref))
+        print(f"specli: warning: skipped the Hugging Face cache ref {ref}: {why}; "
+              "the repo counts as not downloaded (delete the ref; specli pull then fetches the repo again)", file=sys.stderr)  # fmt: skip
+    return None
 
 
 def cached_files(repo: str) -> list[str]:
@@ -392,6 +422,9 @@ def fetch_file(repo: str, filename: str, file_hint: str = "") -> Fetched:
     """Download one file into the Hugging Face cache (resumes, skips what is there); raises SpecliError."""
     import huggingface_hub
 
+    ref = _main_ref(repo)
+    if os.path.lexists(ref) and _commit(ref) is None:  # (the client reads it as text: a FIFO would hang it)
+        raise SpecliError(f"cannot download {repo}/{filename}: the Hugging Face cache ref {ref} is damaged; delete it, then run again")
     before = cached_path(repo, filename)
     if before is None and not is_offline():
         check_reachable(f"download {repo}/{filename}")

@@ -766,14 +766,13 @@ def _write_problem(err: OSError, target: Path, size: int) -> str:
 
 def _resolve_hf(source: ModelSource) -> Path:
     # Imported here: only hf sources need it, and the import is not free.
-    from huggingface_hub import try_to_load_from_cache
+    from specli.models.hub import cached_path
 
     found: list[str] = []
     missing: list[str] = []
     for filename in source.hf_files:
-        cached = try_to_load_from_cache(repo_id=source.hf_repo, filename=filename)
-        # Besides None, it may return a "known not to exist" marker object: not a path either.
-        if isinstance(cached, str) and os.path.isfile(cached):
+        cached = cached_path(source.hf_repo, filename)  # (None too for a repo whose ref is damaged)
+        if cached is not None:
             found.append(cached)
         else:
             missing.append(filename)
@@ -915,12 +914,12 @@ def package_status(module_name: str) -> SourceStatus:
 
 def _hf_status(source: ModelSource) -> SourceStatus:
     """Every part of an hf source looked up in the local Hugging Face cache."""
-    from huggingface_hub import try_to_load_from_cache
+    from specli.models.hub import cached_path
 
     found: list[str] = []
     for filename in source.hf_files:
-        cached = try_to_load_from_cache(repo_id=source.hf_repo, filename=filename)
-        if isinstance(cached, str) and os.path.isfile(cached):
+        cached = cached_path(source.hf_repo, filename)  # (None too for a repo whose ref is damaged)
+        if cached is not None:
             found.append(cached)
     n = len(source.hf_files)
     if len(found) == n:

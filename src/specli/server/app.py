@@ -7,7 +7,8 @@ Streaming is server-sent events as the OpenAI clients read them (`data: {chunk}`
 it streams; a plain request watches for it itself) and its job cancelled, which frees its slot
 before the next pass. SIGINT/SIGTERM: uvicorn stops accepting, the scheduler ends the running
 generations with what they have (finish_reason "length", stop_reason "interrupted") and fails
-queued ones with 503, each response is completed, and the process exits 0.
+queued ones with 503, each response is completed, and the process exits 0 (with --rpc, a pass
+stalled on a server is not waited for: Service.on_stop, llama/rpc.py's stop_asked).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SpecliError, UsageError
 from specli.server import protocol
+from specli.server.llama_api import LlamaRoutes
 from specli.server.protocol import CHAT, TEXT, ApiError
 from specli.server.scheduler import Delta, Done, Failed, Job, QueueFull, Scheduler, ShuttingDown
 from specli.modes import DraftMode
@@ -54,12 +56,18 @@ class Settings:
     chat_problem: Optional[str] = None  # why chat requests are refused (an unusable template)
     log: Optional[Callable[[str], None]] = None  # a line per request (None: --quiet)
     created: int = field(default_factory=lambda: int(time.time()))
+    metrics: bool = False  # --metrics: GET /metrics answers (else 501, as llama-server's)
+    slots: bool = False  # --slots: GET /slots answers
+    model_path: str = ""  # for /props
 
 
-class Service:
+class Service(LlamaRoutes):  # (llama-server's own routes: llama_api.py)
     def __init__(self, scheduler: Scheduler, model_tgt, settings: Settings):
         self.scheduler, self.model, self.settings = scheduler, model_tgt, settings
         self.stopping = False
+        # Called from the signal handler when a signal asks the server to stop (--rpc: a pass
+        # stalled on a server is then not waited for; llama/rpc.py's stop_asked)
+        self.on_stop: list[Callable[[], None]] = []
         model_tgt.longest_token_bytes()  # (a scan of the vocabulary: now, not in the first request)
 
     # --- routes -----------------------------------------------------------------------------------
@@ -84,6 +92,17 @@ class Service:
     async def completions(self, http: HttpRequest) -> Response:
         return await self._generate(http, TEXT)
 
+    # (for llama_api's routes, which cannot import this module: it imports them)
+    async def _body(self, http: HttpRequest) -> Any:
+        return await _read_json(http)
+
+    async def _next_event(self, events: asyncio.Queue, http: HttpRequest):
+        return await _next_or_disconnect(events, http)
+
+    @staticmethod
+    def _sse(obj: dict) -> str:
+        return _sse(obj)
+
     # --- a generation -------------------------------------------------------------------------------
     async def _generate(self, http: HttpRequest, kind: str) -> Response:
         self._check_key(http)
@@ -91,18 +110,7 @@ class Service:
         self._check_model(req.model)
         prompt_ids, format_stop = await run_in_threadpool(self._prompt_ids, req)
         max_tokens = req.max_tokens or self.settings.default_max_tokens or self.scheduler.n_ctx
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        job = Job(
-            prompt_ids, max_tokens, req.sampling, emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-            seed=req.seed, stop=(*format_stop, *req.stop),
-        )  # fmt: skip
-        try:
-            self.scheduler.submit(job)
-        except QueueFull:
-            raise ApiError(503, f"the server is busy ({self.scheduler.queue_limit} requests are waiting); retry later", code="server_busy") from None
-        except ShuttingDown:
-            raise ApiError(503, self.scheduler.broken or "the server is shutting down", code="shutting_down") from None
+        job, events = self._submit(prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=(*format_stop, *req.stop))
         rid, t0 = protocol.new_id(kind), time.perf_counter()
         if req.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -156,6 +164,21 @@ class Service:
             self.scheduler.cancel(job)  # a client that left mid-stream frees its slot now
 
     # --- helpers ------------------------------------------------------------------------------------
+    def _submit(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, **fields) -> tuple[Job, asyncio.Queue]:
+        """Queue a generation on the scheduler (`fields`: Job's others), from a route's event
+        loop; its events come back in the queue returned. A full queue or a stopping server is a
+        503 (every route that generates: the OpenAI ones, /infill)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job = Job(prompt_ids, max_tokens, sampling, emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event), **fields)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull:
+            raise ApiError(503, f"the server is busy ({self.scheduler.queue_limit} requests are waiting); retry later", code="server_busy") from None
+        except ShuttingDown:
+            raise ApiError(503, self.scheduler.broken or "the server is shutting down", code="shutting_down") from None
+        return job, events
+
     def _check_key(self, http: HttpRequest) -> None:
         key = self.settings.api_key
         if key is None:
@@ -172,7 +195,7 @@ class Service:
     def _check_model(self, name: Optional[str]) -> None:
         s = self.settings
         if name is not None and name != s.model_id and name not in s.aliases:
-            raise ApiError(404, f"model '{name}' is not served here; this server serves '{s.model_id}' (GET /v1/models)", param="model", code="model_not_found")
+            raise ApiError(404, f"model {protocol.quoted(name)} is not served here; this server serves '{s.model_id}' (GET /v1/models)", param="model", code="model_not_found")
 
     def _prompt_ids(self, req: protocol.Request) -> tuple[list[int], tuple[str, ...]]:
         """The prompt's tokens (a chat rendered with the model's template) and the format's own
@@ -204,7 +227,7 @@ class Service:
                 raise ApiError(400, f"token id {bad} is not in the model's vocabulary (0..{model.n_vocab - 1})", param="prompt")
             ids = req.prompt_ids
         else:
-            ids = model.tokenize(req.prompt, add_bos=model.vocab_info().add_bos)
+            ids = model.tokenize_prompt(req.prompt, parse_special=req.parse_special)  # (as llama-server: control text parsed)
         if not ids:
             raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
         if len(ids) >= n_ctx:
@@ -236,16 +259,25 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class ClientLeft(Exception):
+    """The client closed its connection while sending its request: nobody to answer, and no
+    fault of the server's, so nothing is logged (as for one that leaves mid-generation)."""
+
+
 async def _read_json(http: HttpRequest) -> Any:
-    """The body as JSON, at most MAX_BODY_BYTES (413 beyond)."""
+    """The body as JSON, at most MAX_BODY_BYTES (413 beyond); ClientLeft when the client closes
+    its connection before the body is all sent."""
     length = http.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is {int(length):,} bytes; at most {MAX_BODY_BYTES:,}")
     data = bytearray()
-    async for piece in http.stream():
-        data += piece
-        if len(data) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES:,} bytes")
+    try:
+        async for piece in http.stream():
+            data += piece
+            if len(data) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES:,} bytes")
+    except ClientDisconnect:
+        raise ClientLeft() from None
     try:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError) as err:
@@ -280,9 +312,12 @@ def make_app(service: Service):
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     async def http_error(_request, err: HTTPException) -> Response:
-        message = {404: "no such endpoint (see GET /v1/models, POST /v1/chat/completions, POST /v1/completions)",
+        message = {404: "no such endpoint (see GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /infill; docs/serve.md)",
                    405: "method not allowed here"}.get(err.status_code, err.detail)  # fmt: skip
         return JSONResponse(ApiError(err.status_code, message).body(), status_code=err.status_code, headers=getattr(err, "headers", None))
+
+    async def client_left(_request, _err: ClientLeft) -> Response:
+        return Response(status_code=499)  # (sent to nobody: the connection is closed)
 
     async def internal(_request, err: Exception) -> Response:
         return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}: {err} (a bug in specli; please report it)").body(), status_code=500)
@@ -296,8 +331,17 @@ def make_app(service: Service):
         Route("/models", service.models, methods=["GET"]),
         Route("/chat/completions", service.chat, methods=["POST"]),
         Route("/completions", service.completions, methods=["POST"]),
+        # llama-server's own (llama_api.py)
+        Route("/infill", service.infill, methods=["POST"]),
+        Route("/tokenize", service.tokenize, methods=["POST"]),
+        Route("/detokenize", service.detokenize, methods=["POST"]),
+        Route("/apply-template", service.apply_template, methods=["POST"]),
+        Route("/props", service.props, methods=["GET"]),
+        Route("/metrics", service.metrics, methods=["GET"]),
+        Route("/slots", service.slots, methods=["GET"]),
+        Route("/v1/health", service.health, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal})
+    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, ClientLeft: client_left, Exception: internal})
     return framing_guard(app)
 
 
@@ -390,6 +434,8 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
         self.service.stopping = True
+        for callback in self.service.on_stop:
+            callback()
         if self.loop is not None:  # (a signal handler must not take the scheduler's lock itself)
             self.loop.call_soon_threadsafe(self.service.scheduler.stop)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ TEXT = "text_completion"
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; llama-server any)
 MAX_STOP_CHARS = 1024  # characters per stop string (each is searched for at every character generated)
+MAX_MESSAGE_CHARS = 1000  # an error message, at most (values in it are shortened by quoted())
 LARGEST = 2**63  # integers of a request are below this in size (a seed, a token count, a token id)
 
 # The sampling fields a request may set (bool is refused where a number is wanted: True is 1 in
@@ -44,6 +46,8 @@ class ApiError(Exception):
     """A refused request: its HTTP status and OpenAI-style error body."""
 
     def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None, kind: Optional[str] = None):
+        if len(message) > MAX_MESSAGE_CHARS:  # (a message quoting what quoted() did not shorten: a template's own error text)
+            message = f"{message[: MAX_MESSAGE_CHARS - 3]}... ({len(message):,} characters)"
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
@@ -67,9 +71,12 @@ class Request:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage and no choices
+    # A text prompt's control text (`<|im_start|>`) becomes control tokens, as llama-server does;
+    # false (the field of llama-server's /tokenize): all of it text. Chat messages are always text.
+    parse_special: bool = True
 
 
-def _number(body: dict, name: str, kind: type) -> Any:
+def number_field(body: dict, name: str, kind: type) -> Any:
     value = body[name]
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok and isinstance(value, float) and not math.isfinite(value):
@@ -79,17 +86,35 @@ def _number(body: dict, name: str, kind: type) -> Any:
     if kind is int:
         ok = ok and float(value).is_integer()
     if not ok:
-        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a finite number'}, got {_shown(value)}", param=name)
+        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a finite number'}, got {quoted(value)}", param=name)
     return kind(value)
 
 
-def _shown(value: Any) -> str:
-    """A value as an error message may quote it: short, and printable."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+QUOTE_CHARS = 100  # what an error message quotes of a value of the request, at most
 
 
-def _text(value: str, name: str) -> str:
+def quoted(value: Any) -> str:
+    """A value of the request as an error message quotes it: its first QUOTE_CHARS characters,
+    and its size when that is not all of it. Every message that quotes a value goes through
+    here: one that repeated a 1,000,000-entry `logit_bias` was a 15 MB answer. (reprlib: the
+    repr is built only as far as it can be shown.)"""
+    text = repr(value[: QUOTE_CHARS + 1]) if isinstance(value, str) else _QUOTE.repr(value)
+    cut = len(text) > QUOTE_CHARS
+    if cut:
+        text = text[: QUOTE_CHARS - 3] + "..."
+    if isinstance(value, (str, list, tuple, dict)) and (cut or len(value) > _QUOTE.maxlist):
+        units = ("character", "characters") if isinstance(value, str) else ("entry", "entries") if isinstance(value, dict) else ("item", "items")
+        text += f" ({len(value):,} {units[len(value) != 1]})"
+    return text
+
+
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring = _QUOTE.maxother = _QUOTE.maxlong = QUOTE_CHARS
+_QUOTE.maxlist = _QUOTE.maxtuple = _QUOTE.maxdict = _QUOTE.maxset = 8
+_QUOTE.maxlevel = 3
+
+
+def unicode_text(value: str, name: str) -> str:
     """A string of the request, which must be valid Unicode (JSON's \\ud800 escapes can make a
     lone surrogate, which no tokenizer or response can encode)."""
     try:
@@ -102,19 +127,19 @@ def _text(value: str, name: str) -> str:
 def _text_content(content: Any, where: str) -> str:
     """A message's content: a string, or a list of text parts (joined); images are refused."""
     if isinstance(content, str):
-        return _text(content, "messages")
+        return unicode_text(content, "messages")
     if isinstance(content, list):
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ApiError(400, f"{where}: only text content parts are supported, got {_shown(kind)}", param="messages")
-            parts.append(_text(part["text"], "messages"))
+                raise ApiError(400, f"{where}: only text content parts are supported, got {quoted(kind)}", param="messages")
+            parts.append(unicode_text(part["text"], "messages"))
         return "".join(parts)
     raise ApiError(400, f"{where}: 'content' must be a string or a list of text parts", param="messages")
 
 
-def _messages(value: Any) -> list[dict]:
+def parse_messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise ApiError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects", param="messages")
     out = []
@@ -124,7 +149,7 @@ def _messages(value: Any) -> list[dict]:
             raise ApiError(400, f"{where} must be an object with 'role' and 'content'", param="messages")
         role = message.get("role")
         if role not in ROLES:
-            raise ApiError(400, f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
+            raise ApiError(400, f"{where}: role must be one of {', '.join(ROLES)}, got {quoted(role)}", param="messages")
         if message.get("tool_calls"):
             raise ApiError(400, f"{where}: tool calls are not supported", param="messages")
         content = message.get("content")
@@ -140,7 +165,7 @@ def _prompt(value: Any) -> tuple[Optional[str], Optional[list[int]]]:
     if isinstance(value, str):
         if not value:
             raise ApiError(400, "'prompt' is empty; give some text to continue", param="prompt")
-        return _text(value, "prompt"), None
+        return unicode_text(value, "prompt"), None
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         if any(not 0 <= t < LARGEST for t in value):
             raise ApiError(400, "'prompt' holds a token id out of range", param="prompt")
@@ -150,7 +175,7 @@ def _prompt(value: Any) -> tuple[Optional[str], Optional[list[int]]]:
     raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
 
 
-def _stop(value: Any) -> tuple[str, ...]:
+def parse_stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
@@ -160,7 +185,7 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise ApiError(400, f"'stop' holds {len(stops)} strings; at most {MAX_STOP}", param="stop")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise ApiError(400, f"'stop' holds a string over {MAX_STOP_CHARS} characters", param="stop")
-    return tuple(_text(s, "stop") for s in stops)
+    return tuple(unicode_text(s, "stop") for s in stops)
 
 
 def parse_request(body: Any, kind: str, defaults: SamplingParams) -> Request:
@@ -170,14 +195,14 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> Request:
         raise ApiError(400, "the request body must be a JSON object")
     for name, neutral in NEUTRAL.items():
         if body.get(name) is not None and body[name] not in neutral:
-            raise ApiError(400, f"'{name}' = {body[name]!r} is not supported by specli (leave it out)", param=name)
+            raise ApiError(400, f"'{name}' = {quoted(body[name])} is not supported by specli (leave it out)", param=name)
     if body.get("response_format") not in (None, {"type": "text"}):
         raise ApiError(400, "'response_format' other than text is not supported (leave it out)", param="response_format")
     messages = prompt = prompt_ids = None
     if kind == CHAT:
         if "messages" not in body:
             raise ApiError(400, "'messages' is required", param="messages")
-        messages = _messages(body["messages"])
+        messages = parse_messages(body["messages"])
     else:
         if "prompt" not in body:
             raise ApiError(400, "'prompt' is required", param="prompt")
@@ -186,17 +211,17 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> Request:
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", param="model")
     if model is not None:
-        _text(model, "model")
+        unicode_text(model, "model")
 
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens", "n_predict"):
         if body.get(name) is not None:
-            max_tokens = _number(body, name, int)
+            max_tokens = number_field(body, name, int)
             if max_tokens < 1:
                 raise ApiError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
             break
-    fields = {name: _number(body, name, kind_) for name, kind_ in SAMPLING_FIELDS.items() if body.get(name) is not None}
-    seed = _number(body, "seed", int) if body.get("seed") is not None else defaults.seed
+    fields = {name: number_field(body, name, kind_) for name, kind_ in SAMPLING_FIELDS.items() if body.get(name) is not None}
+    seed = number_field(body, "seed", int) if body.get("seed") is not None else defaults.seed
     if seed is not None and seed < 0:
         if seed != -1:
             raise ApiError(400, f"'seed' must be a non-negative integer (or -1 for a fresh one), got {seed}", param="seed")
@@ -211,10 +236,13 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> Request:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    parse_special = body.get("parse_special", True)
+    if not isinstance(parse_special, bool):
+        raise ApiError(400, "'parse_special' must be true or false", param="parse_special")
     return Request(
         kind=kind, model=model, messages=messages, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
-        sampling=sampling, seed=seed, stop=_stop(body.get("stop")), stream=stream,
-        include_usage=bool(options.get("include_usage")),
+        sampling=sampling, seed=seed, stop=parse_stop(body.get("stop")), stream=stream,
+        include_usage=bool(options.get("include_usage")), parse_special=parse_special,
     )  # fmt: skip
 
 
@@ -242,14 +270,19 @@ def speculative(stats: Stats, *, mode: str, draft_length: DraftLength, seed: Opt
 
 
 def timings(stats: Stats) -> dict:
-    """llama-server's `timings` object, for tools that read it."""
+    """llama-server's `timings` object, for tools that read it. predicted_per_second is
+    Stats.tokens_per_s, the very figure `speculative.tokens_per_s` gives (the tokens decided
+    after the prompt's pass, over the generation time), so one response never shows two
+    speeds; where that is None (the prompt's pass made every token) it is 0, as the speeds here
+    are: llama-server's fields are numbers, and a tool summing or plotting them takes 0 where
+    null would break it."""
     gen_ms = stats.generation_s * 1000
     prompt_n = stats.prompt_tokens - stats.prompt_reused
     return {
         "cache_n": stats.prompt_reused, "prompt_n": prompt_n, "prompt_ms": round(stats.prompt_s * 1000, 3),
-        "prompt_per_second": round(prompt_n / stats.prompt_s, 3) if stats.prompt_s > 0 else None,
+        "prompt_per_second": round(prompt_n / stats.prompt_s, 3) if stats.prompt_s > 0 else 0.0,
         "predicted_n": stats.n_tokens, "predicted_ms": round(gen_ms, 3),
-        "predicted_per_second": round(stats.n_tokens / stats.generation_s, 3) if stats.generation_s > 0 else None,
+        "predicted_per_second": round(stats.tokens_per_s or 0.0, 3),
         "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
     }  # fmt: skip
 

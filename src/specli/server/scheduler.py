@@ -21,6 +21,7 @@ Done and Failed events.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 import time
@@ -30,6 +31,7 @@ from typing import Callable, Optional
 from specli.decoding.engine import DecoderPool, Generation, SequenceStep, StepLoop
 from specli.decoding.parallel import item_error
 from specli.decoding.sampling import SamplingParams
+from specli.decoding.stats import Stats
 from specli.errors import SpecliError
 from specli.llama.model import common_prefix_len
 from specli.session.loading import Loaded
@@ -37,6 +39,7 @@ from specli.session.loading import Loaded
 @dataclass
 class Delta:
     text: str  # text released since the previous event
+    tokens: tuple[int, ...] = ()  # tokens generated since the previous event
 
 
 @dataclass
@@ -65,6 +68,9 @@ class Job:
     emit: Callable[[Event], None]
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()
+    limits: Optional[object] = None  # decoding/limits.LineLimits (an /infill request's), or None
+    fresh: bool = False  # start from an empty cache (llama-server's cache_prompt: false)
+    cache_reuse: Optional[int] = None  # the request's n_cache_reuse (None: the server's --cache-reuse)
     cancelled: bool = False
     t_submitted: float = field(default_factory=time.perf_counter)
 
@@ -88,22 +94,31 @@ class _ServeSlot:
         self.job: Optional[Job] = None
         self.seq: Optional[SequenceStep] = None
         self.sent = 0  # characters of the generation's text already emitted
+        self.sent_tokens = 0  # and tokens
         self.last_used = 0
         self.ready = False  # its prompt is in the cache: it takes part in passes
+        # Per cache (the target's, a draft model's; Scheduler._caches): how many leading entries
+        # were computed exactly, after the very text before them, when entries after them are
+        # not (--cache-reuse moved chunks there, and what followed was computed after those);
+        # None: every entry is exact. A job that does not reuse chunks keeps no more than these.
+        self.exact_upto: list[Optional[int]] = [None, None]
 
 
 class Scheduler:
     def __init__(
         self, loaded: Loaded, *, n_seq: int, queue_limit: int, n_threads: Optional[int] = None, describe=str,
         kv_type: str = "f16", flash_attn: str = "auto", prefill_batch: Optional[int] = None, release_models: bool = False,
-        on_idle: Optional[Callable[[], Optional[float]]] = None,
+        on_idle: Optional[Callable[[], Optional[float]]] = None, cache_reuse: int = 0,
     ):  # fmt: skip
         """prefill_batch: how many tokens of a new prompt go in between two passes of the other
         slots (default: the context's batch size, so that prompts go in run's very batches).
         release_models: with several slots, free the models' own contexts, which the slots'
         context replaces (ParallelRunner). on_idle: called by the loop's thread each time it
         has nothing to do (no request queued or running), before it waits; it returns None, or
-        the seconds after which, still idle, it is to be called again."""
+        the seconds after which, still idle, it is to be called again. cache_reuse: llama-server's
+        --cache-reuse N (0: off): a new prompt also keeps the runs of at least N tokens its slot's
+        cache holds after the common prefix, moved to their new positions (reuse_chunks), where
+        the caches can move entries (`can_reuse`)."""
         self.model_tgt = loaded.model_tgt
         self.mode = loaded.plan.mode
         self.draft_length = loaded.decoder.draft_length
@@ -121,6 +136,8 @@ class Scheduler:
         self.slots = [_ServeSlot(cache) for cache in self.loop.caches]
         self.prefill_batch = prefill_batch or self.loop.passes.n_batch
         self.n_ctx = self.slots[0].cache.n_ctx
+        self.cache_reuse = cache_reuse
+        self.can_reuse = self.slots[0].cache.can_shift  # (not M-RoPE models)
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
         self._stopping = False
@@ -129,6 +146,11 @@ class Scheduler:
         self.broken: Optional[str] = None  # why the loop died (then every request gets 503)
         # For /health: counts since start.
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "passes": 0, "most_sequences_in_a_pass": 0, "tokens": 0}
+        # For /metrics: every finished generation's stats added up, the sequences of every pass
+        # added up, and the longest prompt + output.
+        self.totals = Stats()
+        self.pass_sequences = 0
+        self.most_tokens = 0
 
     # --- the front end's side (any thread) ---------------------------------------------------------
     def start(self) -> None:
@@ -179,6 +201,29 @@ class Scheduler:
         with self._cond:
             busy = sum(slot.job is not None for slot in self.slots)
             return {"slots_idle": len(self.slots) - busy, "slots_processing": busy, "queued": len(self._pending), **self.counts}
+
+    def metrics(self) -> dict:
+        """A consistent snapshot of the counters /metrics shows."""
+        with self._cond:
+            totals = Stats()
+            totals.add(self.totals)
+            return {"totals": totals, "counts": dict(self.counts), "pass_sequences": self.pass_sequences, "most_tokens": self.most_tokens,
+                    "processing": sum(slot.job is not None for slot in self.slots), "queued": len(self._pending)}  # fmt: skip
+
+    def slot_states(self) -> list[dict]:
+        """Each slot's state for /slots: whether it is generating, and its generation so far."""
+        with self._cond:
+            taken = [(slot.job, slot.seq) for slot in self.slots]
+        states = []
+        for s, (job, seq) in enumerate(taken):
+            state = {"id": s, "is_processing": job is not None, "n_cached": len(self.slots[s].cache.cached)}
+            if job is not None:
+                gen = seq.gen if seq is not None else None
+                state.update(n_prompt_tokens=len(job.prompt_ids), n_decoded=len(gen.token_ids) if gen else 0,
+                             n_remain=job.max_tokens - (len(gen.token_ids) if gen else 0), generated=gen.text if gen else "",
+                             has_new_line="\n" in gen.text if gen else False, sampling=job.sampling)  # fmt: skip
+            states.append(state)
+        return states
 
     def stalled(self, why: str) -> None:
         """The backend stopped answering (an RPC server: a pass that never returns; called from
@@ -241,7 +286,7 @@ class Scheduler:
         free = [s for s, slot in enumerate(self.slots) if slot.job is None]
         while free and self._pending:
             job = self._pending.popleft()
-            best = max(free, key=lambda s: (common_prefix_len(self.slots[s].cache.cached, job.prompt_ids), -self.slots[s].last_used))
+            best = max(free, key=lambda s: (self._keepable(s, job), -self.slots[s].last_used))
             free.remove(best)
             self.slots[best].job = job
             starts.append(best)
@@ -259,17 +304,69 @@ class Scheduler:
         slot.last_used = self._uses
         try:
             slot.seq = self.loop.start(
-                s, job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens, stop=job.stop, seed=job.seed,
+                s, job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens, stop=job.stop, seed=job.seed, fresh=job.fresh,
             )  # fmt: skip
-            slot.sent = 0
+            slot.seq.gen.limits = job.limits
+            slot.sent = slot.sent_tokens = 0
             slot.ready = False
+            self._reuse(s, job)
             if common_prefix_len(slot.cache.cached, job.prompt_ids) <= 1:
                 # Nothing worth keeping (at most BOS): start from an empty cache, so the prompt is
                 # evaluated in the very batches `run` uses (another split rounds otherwise on
                 # quantized models, enough to flip a near-tie).
                 slot.cache.truncate(0)
+                slot.exact_upto[0] = None
         except Exception as err:
             self._fail(s, err)
+
+    def _caches(self, s: int) -> list:
+        """Slot s's caches: the target's, and a draft model's (None without one)."""
+        drafter = self.loop.pools[s].drafter
+        draft = getattr(drafter, "model_dft", None) or getattr(getattr(drafter, "draft", None), "model_dft", None)
+        return [self.slots[s].cache, draft]
+
+    def _reuse_min(self, job: Job) -> int:
+        """The shortest chunk the job's prompt keeps from a slot's cache past the common prefix
+        (--cache-reuse, or the request's n_cache_reuse); 0: it keeps the common prefix alone."""
+        n_min = self.cache_reuse if job.cache_reuse is None else job.cache_reuse
+        return n_min if n_min > 0 and self.can_reuse and not job.fresh else 0
+
+    def _keepable(self, s: int, job: Job) -> int:
+        """How much of slot s's target cache the job would keep (_assign's choice)."""
+        cache, exact = self.slots[s].cache, self.slots[s].exact_upto[0]
+        common = common_prefix_len(cache.cached, job.prompt_ids)
+        return common if exact is None or self._reuse_min(job) else min(common, exact)
+
+    def _reuse(self, s: int, job: Job) -> None:
+        """Slot s's caches (the target's, and a draft model's) made ready for the job's prompt.
+
+        --cache-reuse (a job with _reuse_min): the chunks the new prompt holds later are moved
+        to their places in it; SequenceStep.begin then keeps them as it keeps a common prefix
+        (prompt_reused counts them). A moved chunk was computed after other text than now
+        precedes it, so it and all that follows is approximate (as in llama-server): the slot
+        notes where the exact entries end (exact_upto). A job without reuse (the server's
+        --cache-reuse 0 or the request's n_cache_reuse 0, cache_prompt false) keeps no
+        approximate entry: its caches are cut to the exact ones first, so it gives what `run`
+        gives, whatever an earlier request on the slot asked for."""
+        slot, n_min = self.slots[s], self._reuse_min(job)
+        prompt = job.prompt_ids[:-1]  # (what the caches hold before the first pass: all but `last`)
+        for i, cache in enumerate(self._caches(s)):
+            exact = slot.exact_upto[i]
+            if cache is None:
+                continue
+            if exact is not None and exact >= len(cache.cached):  # (emptied since: a fresh job's, a failure's)
+                exact = None
+            if n_min and cache.can_shift:
+                common = common_prefix_len(cache.cached, prompt)
+                n_keep = cache.reuse_chunks(prompt, n_min)
+                if n_keep > common:  # chunks moved: approximate from the first one on
+                    exact = common if exact is None else min(exact, common)
+                elif exact is not None and exact >= n_keep:
+                    exact = None
+            elif exact is not None:
+                cache.truncate(exact)
+                exact = None
+            slot.exact_upto[i] = exact
 
     def _prefill(self) -> None:
         """One batch of each new slot's prompt, into the target's cache and then the draft
@@ -311,6 +408,8 @@ class Scheduler:
         with self._cond:
             self.counts["completed"] += 1
             self.counts["tokens"] += len(gen.token_ids)
+            self.totals.add(gen.stats)
+            self.most_tokens = max(self.most_tokens, len(gen.prompt_ids) + len(gen.token_ids))
         _emit(job, Done(gen, gen.text[slot.sent :], s))
         self.loop.remember(s, gen)  # (after the answer: it waits for nothing; not one cut short by a shutdown)
 
@@ -333,6 +432,7 @@ class Scheduler:
             with self._cond:
                 self.counts["passes"] += 1
                 self.counts["most_sequences_in_a_pass"] = max(self.counts["most_sequences_in_a_pass"], self.loop.last_pass_sequences)
+                self.pass_sequences += self.loop.last_pass_sequences
         for s, result in results.items():
             if isinstance(result, Exception):
                 self._fail(s, result)
@@ -342,8 +442,9 @@ class Scheduler:
             if slot.seq.ended():  # (an end-of-generation token, a stop string, max_tokens, a full context)
                 self._finish(s)
             elif len(gen.text) > slot.sent:
-                _emit(slot.job, Delta(gen.text[slot.sent :]))
-                slot.sent = len(gen.text)
+                n_tokens = released_tokens(gen)
+                _emit(slot.job, Delta(gen.text[slot.sent :], tuple(gen.token_ids[slot.sent_tokens : n_tokens])))
+                slot.sent, slot.sent_tokens = len(gen.text), n_tokens
 
     def _shut_down(self) -> None:
         with self._cond:
@@ -360,6 +461,16 @@ class Scheduler:
                 self._free(s)
                 if not job.cancelled:
                     _emit(job, Failed(SHUTTING_DOWN, 503))
+
+
+def released_tokens(gen: Generation) -> int:
+    """How many of gen's tokens a Delta may send: those whose text begins within the text
+    released so far. With stop strings or limits the rest may be held back (the start of a stop
+    string) and later cut with their text, so their ids wait for the text (Generation._starts:
+    each token's offset in the text, kept only then); a cut never drops a token before it."""
+    if not gen.stop and gen.limits is None:
+        return len(gen.token_ids)
+    return bisect.bisect_left(gen._starts, len(gen.text))
 
 
 def _emit(job: Job, event: Event) -> None:

@@ -54,6 +54,7 @@ class Item:
     # with the chat template (system first, if any; the last message the user's), else None.
     messages: Optional[list[dict]] = None
     prompt_ids: Optional[list[int]] = None  # the rendered conversation's tokens, set just before it runs
+    parse_special: bool = True  # a raw prompt's control text becomes control tokens (off: --no-parse-special)
     stop: tuple[str, ...] = ()  # stop strings: the item's `stop`, else the command line's --stop
 
 

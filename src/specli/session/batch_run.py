@@ -41,6 +41,7 @@ class BatchSettings:
     chat: bool = False  # every prompt is a user turn for the chat template
     system: Optional[str] = None
     template: Optional[str] = None
+    parse_special: bool = True  # raw prompts' control text becomes control tokens (off: --no-parse-special)
 
 
 @dataclass
@@ -86,6 +87,9 @@ def prepare(settings: BatchSettings, stdin, *, verbose: bool = False) -> Prepare
     entries = batch.parse_lines(
         lines, fmt, settings.choice.sampling, settings.max_tokens, chat=use_chat, system=settings.system, stop=settings.stop,
     )  # fmt: skip
+    for entry in entries:
+        if isinstance(entry, batch.Item):
+            entry.parse_special = settings.parse_special  # (chat items' messages are text whatever it says)
     out_path = settings.out_path
     previous = batch.read_previous(out_path) if out_path is not None and out_path.exists() and not settings.overwrite else None
     init_backend(verbose=verbose)

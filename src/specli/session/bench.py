@@ -26,6 +26,7 @@ from specli.decoding.engine import SpeculativeDecoder
 from specli.errors import UsageError
 from specli.files import read_limited, replace_text, strip_bom
 from specli.modes import MAX_DRAFT, DraftLength
+from specli.session.costs import RARE_ALPHA, PassCosts, alpha_text, break_even_alpha
 
 if TYPE_CHECKING:
     from specli.decoding.sampling import SamplingParams
@@ -258,8 +259,7 @@ class BenchLoop:
     def __init__(self, loaded: "Loaded", prompts: Sequence[BenchPrompt], ns: list[DraftLength], repeat: int,
                  max_tokens: int, sampling: "SamplingParams"):  # fmt: skip
         model_tgt = loaded.model_tgt
-        add_bos = model_tgt.vocab_info().add_bos
-        self._ids = [model_tgt.tokenize(p.text, add_bos=add_bos) for p in prompts]
+        self._ids = [model_tgt.tokenize_prompt(p.text) for p in prompts]  # (as `run` makes a raw prompt's)
         for prompt, prompt_ids in zip(prompts, self._ids):
             if len(prompt_ids) + 1 >= model_tgt.n_ctx:
                 raise UsageError(f"prompt '{prompt.name}' is {len(prompt_ids)} tokens but the context holds {model_tgt.n_ctx}; raise -c")
@@ -560,12 +560,16 @@ def held_out_best(records: list[dict]) -> dict[str, float]:
     return out
 
 
-def verdict(best: Row | None, *, lookup: bool = False) -> tuple[str, str]:
+def verdict(best: Row | None, *, lookup: bool = False, costs: PassCosts | None = None) -> tuple[str, str]:
     """("yes" | "maybe" | "no" | "within noise", why) for a scenario, from its best speculative
     row: within noise when its rounds straddle target-only's speed (1.0x) or its speedup is
     above its tokens per pass (impossible: a measurement fault); else yes at a best speedup
     >= 1.2, maybe from 1.0 up to 1.2, no below 1.0. `lookup` words the likely cause for prompt
-    lookup rather than a draft model."""
+    lookup rather than a draft model.
+
+    `costs` (the measured pass costs; a draft model's run only): when they cap drafting below
+    1.0x even with every draft accepted, the answer is no, with that as the reason, whatever the
+    rounds say (a speedup of 1.2x or more above such a cap is a measurement fault: within noise)."""
     if best is None or best.speedup is None:
         return "no", "nothing measured"
     gain = f"best N={best.n}: {best.speedup:.2f}x target-only"
@@ -576,18 +580,33 @@ def verdict(best: Row | None, *, lookup: bool = False) -> tuple[str, str]:
     if above_bound(best.speedup, best.tokens_per_pass):
         return WITHIN_NOISE, (f"{gain}; impossible above its {best.tokens_per_pass:.2f} tokens per target pass "
                               "(a target pass costs at least a plain one): a measurement fault, rerun on an idle machine")  # fmt: skip
+    cap = costs.draft if costs is not None and not lookup else None
+    if cap is not None and cap.speedup < MAYBE_AT:
+        if best.speedup >= YES_AT:
+            return WITHIN_NOISE, (f"{gain}; above the {cap.speedup:.2f}x the measured pass costs allow even with every "
+                                  "draft accepted: a measurement fault, rerun on an idle machine")  # fmt: skip
+        return "no", (f"{gain}; drafting with this draft model cannot pay on this machine: even with every draft "
+                      f"accepted the measured pass costs allow at most {cap.speedup:.2f}x (N={cap.n}); use "
+                      "--target-only, or --lookup for copy-heavy work")  # fmt: skip
     if within_noise(best):
         return WITHIN_NOISE, f"{gain}; its rounds fall on both sides of target-only's speed"
     if best.speedup >= YES_AT:
         return "yes", gain
-    reason = _why_slow(best, lookup)
+    reason = _why_slow(best, lookup, None if lookup else costs)
     if best.speedup >= MAYBE_AT:
         return "maybe", f"{gain}; a small gain that machine noise can hide{reason}"
     return "no", f"{gain}; drafting costs more than it saves{reason}"
 
 
-def _why_slow(best: Row, lookup: bool) -> str:
-    """The likeliest cause of a weak result, as a clause."""
+def _why_slow(best: Row, lookup: bool, costs: PassCosts | None = None) -> str:
+    """The likeliest cause of a weak result, as a clause. `costs`: a draft model's measured pass
+    costs, which tell the acceptance it needs to break even."""
+    need = break_even_alpha(costs.target_s, costs.draft_s) if costs is not None and costs.draft is not None else None
+    if need is not None and best.alpha is not None and best.alpha < need:
+        # (a break-even no draft model keeps up is the machine's doing, not the draft's)
+        fix = "use --target-only, or --lookup for copy-heavy work" if need >= RARE_ALPHA else "try a better-matched draft"
+        return (f" (at the measured pass costs a draft must be accepted with per-token probability {alpha_text(need)} to break "
+                f"even, measured α {best.alpha:.2f}: {fix})")  # fmt: skip
     if best.acceptance is None:
         return " (nothing was drafted: the text has nothing for lookup to copy)" if lookup else " (nothing was drafted)"
     if lookup and best.tokens_per_pass is not None and best.tokens_per_pass < 1.5:
@@ -612,11 +631,12 @@ RECORD_FIELDS = (
 
 
 def write_json(path: Path, settings: dict, records: list[dict], rows: list[Row],
-               held_out: dict[str, float] | None = None) -> None:  # fmt: skip
+               held_out: dict[str, float] | None = None, costs: PassCosts | None = None) -> None:  # fmt: skip
     """{"settings", "runs" (one record per run), "summary" (the aggregated rows),
-    "held_out_best" (per scenario, held_out_best's speedup)} as JSON."""
+    "held_out_best" (per scenario, held_out_best's speedup), "costs" (PassCosts.to_json, or
+    null when not measured)} as JSON."""
     doc = {"settings": settings, "runs": records, "summary": [asdict(row) for row in rows],
-           "held_out_best": held_out or {}}  # fmt: skip
+           "held_out_best": held_out or {}, "costs": costs.to_json() if costs is not None else None}  # fmt: skip
     _write(path, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
 
 

@@ -11,6 +11,7 @@ per-turn statistics go to stderr, so `printf 'hi\\n/exit\\n' | specli chat` work
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import sys
@@ -311,7 +312,7 @@ class Totals:
         """A few lines for /stats; the speedup is labelled for what it is."""
         s = self.stats
         lines = [f"turns: {self.turns}, generated tokens: {s.n_tokens}"
-                 + (f" ({s.tokens_per_s:.1f} tok/s)" if s.generation_s > 0 else ""),
+                 + (f" ({s.tokens_per_s:.1f} tok/s)" if s.tokens_per_s is not None else ""),
                  f"prompt tokens: {s.prompt_tokens - s.prompt_reused} evaluated, {s.prompt_reused} reused from the cache"]
         if not with_drafting:
             lines.append("drafting: off (--target-only): 1 token per target pass")
@@ -557,7 +558,8 @@ class ChatSession:
             # A temporary file renamed over the old one: a full disk keeps the earlier save whole.
             replace_text(path, text)
         except OSError as err:
-            self.notice(f"/save: cannot write {path}: {err.strerror or err} (an earlier save there is kept as it was)")
+            kept = " (an earlier save there is kept as it was)" if err.errno != errno.ENXIO else ""  # (ENXIO: a FIFO, no file)
+            self.notice(f"/save: cannot write {path}: {err.strerror or err}{kept}")
             return
         self.notice(f"saved {len(self.messages)} messages to {path}")
 

@@ -22,6 +22,7 @@ from specli.decoding.memory_drafter import drafter_with_memory
 from specli.session.memory_store import MemoryFile, tokenizer_fingerprint
 from specli.errors import IncompatibleDraftError, SpecliError, UsageError
 from specli.files import write_atomically
+from specli.gguf import check_model_path
 from specli.llama.context import validate_ctx
 from specli.llama.model import LlamaModel
 from specli.models import fit
@@ -255,6 +256,11 @@ def plan(choice: ModelChoice) -> Plan:
     draft_length = draft_length_for(mode != DraftMode.TARGET_ONLY, asked)
     if choice.memory != MEMORY_OFF and mode != DraftMode.LOOKUP:  # (a pair's own draft model)
         _refuse_memory(choice, "a draft model (the model's pair drafts with one)")
+    # A FIFO or a device named as a model: refused here, before anything reads it (check_headers
+    # leaves a header it cannot read to the load, which would come after the target's load).
+    for path in (target_path, draft_path):
+        if path is not None:
+            check_model_path(path)
     p = Plan(target_path, draft_path, mode, draft_length, choice.sampling, memory=choice.memory)
     p.warnings = check_headers(p, choice.n_ctx)
     return p

@@ -43,9 +43,10 @@ SEED_TRUST = 1.5  # saved costs are dropped when a run's own passes differ by mo
 SEED_CHECKS = 3  # own passes of each kind (one-token, wide) that confirm or refute them
 FIRST_PASS_SLOWER = 1.2  # the first pass of a size in a process, against later ones (its buffers are sized)
 SEED_WATCH = 256  # steps after which saved costs that were never refuted are taken as confirmed
-REACH_START = 16  # a source's drafts reach at most this far at first, then twice its latest
-REACH_MIN = 8  # accepted run (at least this) ...
+REACH_START = 4  # a source's drafts reach at most this far at first, then twice its latest
+REACH_MIN = 2  # accepted run (at least this) ...
 REACH_COST = 1.25  # ... unless going further costs at most this times the pass at that reach
+COPY_REACH = 0.5  # a copy after a match of m tokens reaches at least this times m
 # (on a CPU a wide pass refused early costs many plain ones, and deep positions are estimated
 # from shallow ones; on a GPU wide passes cost nearly nothing more, so no limit)
 PROBE_FADE = 0.1  # evidence kept when a probe's verdict is news
@@ -58,6 +59,10 @@ PLAIN_CHECK_MARGIN = 1.5  # no check where drafting is expected to beat plain by
 PLAIN_CHECK_WEIGHT = 0.5  # a check's timings replace a stale estimate faster than routine ones
 GOING_DECAY = 0.95  # weight of a step in the going rate per newer step (about the last 20)
 LOOKAHEAD = 8  # drafts after the current one that `keep` weighs
+CEILING_ACCEPT = 0.95  # a draft model's per-token acceptance it is never assumed to beat (seen: 0.68-0.99
+# per reply on chat and code, Qwen2.5-Coder 0.5B for 1.5B): where even that would not pay, nothing is probed
+CEILING_RECHECK = 256  # plain steps before such a drafter is probed again (the interval doubles
+# each time): its costs are re-timed, in case the machine changed
 WARM_UP_DRAFTS = 4  # a draft model's first steps draft (keep still judges each token): the
 # first timings of a new pass shape are slow, and a gate closed on them would only reopen
 # through re-probes
@@ -78,10 +83,16 @@ class SourceState:
     judged_at: int = 0  # the context length at the last decision on drafting
     runs_model: bool = False  # it times its drafts (a draft model, whose passes evict the target's weights)
     reach: int = REACH_START  # see REACH_START
+    recheck_in: int | None = None  # plain steps until a drafter that cannot pay is probed again (None: it can)
+    recheck_every: int = CEILING_RECHECK
     # This run's own timings of t_draft and start_s, from steps whose pass was not contended:
     # their medians are what is saved.
     t_draft_samples: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
     start_samples: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
+    # ... and of t_draft on caches the target had filled (after plain steps): saved only when
+    # there is no other (a draft model that never pays drafts only after plain steps, and the
+    # next run must know it costs too much without drafting to find out).
+    t_draft_cold: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
 
 
 @dataclass
@@ -231,6 +242,7 @@ class AdaptivePolicy(DraftJudge):
             st = self.source(name)
             st.t_draft = None if record.t_draft is None else record.t_draft.seconds
             st.start_s = None if record.start_s is None else record.start_s.seconds
+            st.runs_model = record.runs_model
             # Lookup's acceptance belongs to the text, not the pair: only a draft model's is
             # taken as a prior (docs/policy.md, "Between runs").
             for i, (judged, accepted) in enumerate(record.acceptance[: self.max_draft] if record.runs_model else ()):
@@ -282,7 +294,7 @@ class AdaptivePolicy(DraftJudge):
             before = seed.sources.get(name) if seed is not None else None
             record = SourceRecord(
                 runs_model=st.runs_model or bool(before and before.runs_model),
-                t_draft=_median_cost(st.t_draft_samples, now, before.t_draft if before else None),
+                t_draft=_median_cost(st.t_draft_samples or st.t_draft_cold, now, before.t_draft if before else None),
                 start_s=_median_cost(st.start_samples, now, before.start_s if before else None),
                 acceptance=_capped(st.acceptance.judged, st.acceptance.accepted, SAVED_ACCEPT_WEIGHT),
                 calibration=_capped(st.calibration.judged, st.calibration.accepted, SAVED_CALIBRATION_WEIGHT),
@@ -354,6 +366,17 @@ class AdaptivePolicy(DraftJudge):
         plan.rates = state.acceptance.rates(n_max)
         plan.t_draft = self._t_draft(state)
         plain = self._plain_at(context_len)
+        if state.t_draft is not None and self._cannot_pay(plan, state, plain):
+            # Not even drafts accepted as often as a draft model ever is would beat plain decoding
+            # at these costs (one nearly as slow as its target, on a CPU): acceptance hardly
+            # matters, so nothing is probed but a rare re-timing.
+            if state.recheck_in is None or state.recheck_in > 0:
+                state.recheck_in = (state.recheck_every if state.recheck_in is None else state.recheck_in) - 1
+                return 0
+            state.recheck_in, state.recheck_every = None, 2 * state.recheck_every
+            plan.probe = True
+            return min(PROBE_LENGTH, n_max)
+        state.recheck_in, state.recheck_every = None, CEILING_RECHECK  # (it can pay again: rechecks start over)
         gated = None
         if state.t_draft is not None and self._has_confidence(state):
             gated = gated_rate(state.calibration, plan.rates[1:], plan.t_draft, plan.costs, self._start_cost(state))
@@ -373,6 +396,13 @@ class AdaptivePolicy(DraftJudge):
             plan.probe = True  # (what its verdict does to the record: observe)
             return min(PROBE_LENGTH, n_max)
         return 0
+
+    def _cannot_pay(self, plan: ProposalPlan, state: SourceState, plain: float) -> bool:
+        """Whether no draft length would beat plain decoding even at CEILING_ACCEPT per token."""
+        start = self._start_cost(state)
+        expected = expected_tokens([CEILING_ACCEPT] * (len(plan.costs) - 2))
+        best = max((expected[k] / (start + k * plan.t_draft + plan.costs[k + 1]) for k in range(1, len(plan.costs) - 1)), default=0.0)
+        return best * plain <= 1.0
 
     def _best_length(self, plan: ProposalPlan, state: SourceState, plain: float) -> int:
         """The draft length that maximises expected tokens per second on the plan's rates and
@@ -422,9 +452,12 @@ class AdaptivePolicy(DraftJudge):
             return 0
         n_max = min(n_max, self.max_draft)
         plan.costs = self.pass_cost.table(n_max + 1, context_len)
-        if n_max > state.reach:
-            within = REACH_COST * plan.costs[state.reach + 1]
-            n_max = max(n for n in range(state.reach, n_max + 1) if plan.costs[n + 1] <= within)
+        # A copy's own match is evidence of how far it goes (COPY_REACH): refused short copies
+        # do not hold back a long one.
+        reach = max(state.reach, int(COPY_REACH * match))
+        if n_max > reach:
+            within = REACH_COST * plan.costs[reach + 1]
+            n_max = max(n for n in range(reach, n_max + 1) if plan.costs[n + 1] <= within)
         plan.rates = state.copy.rates(n_max, match, agreed, fork)
         plan.t_draft = self._t_draft(state)
         plain = self._plain_at(context_len) if self.plain_s is not None else plan.costs[1] + (self.plain_gap_s or 0.0)
@@ -560,8 +593,8 @@ class AdaptivePolicy(DraftJudge):
             return  # a draft model's one-token proposal: no draft pass of its own was timed
         per_token = token_s if token_s is not None else draft_s / n_drafted
         state.t_draft = timed(state.t_draft, per_token)
-        if (warm or not state.runs_model) and not contended:
-            state.t_draft_samples.append(per_token)
+        if not contended:
+            (state.t_draft_samples if warm or not state.runs_model else state.t_draft_cold).append(per_token)
 
     def _observe_verdict(self, step: StepReport) -> None:
         """A step whose pass also put the prompt's end into the cache (a generation's first):

@@ -12,7 +12,7 @@ from collections import deque
 
 from specli.decoding.policy.store import PLAUSIBLE
 
-PRIOR_SLOPE = 0.1  # T(n) = T(1) * (1 + PRIOR_SLOPE * (n - 1)) until two pass sizes are measured
+PRIOR_SLOPE = 0.5  # T(n) = T(1) * (1 + PRIOR_SLOPE * (n - 1)) until two pass sizes are measured
 COST_EMA = 0.2  # weight of the newest timing in a running mean of a duration
 COST_FORGET = 0.95  # weight of a wide pass in the cost line per newer pass (about 20 passes)
 COST_CLIP = 1.5  # a wide pass counts at most this times the line's estimate
