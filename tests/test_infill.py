@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ except ImportError:
 
 from conftest import load
 from fixtures import synthetic
-from fixtures.cli import popen
+from fixtures.cli import popen, stop
 from specli.decoding.engine import STOP_INDENT, STOP_STRING, STOP_TIME_LIMIT, Generation
 from specli.decoding.limits import LineLimits
 from specli.decoding.sampling import GREEDY, SamplingParams
@@ -90,13 +89,7 @@ class Server:
         self.http = httpx.Client(base_url=self.url, timeout=300)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop(self.proc)
 
     def post(self, path: str, body, **kw):
         return self.http.post(path, json=body, **kw)

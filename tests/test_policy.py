@@ -8,7 +8,7 @@ import pytest
 
 from specli.decoding.policy import adaptive as policy_module
 from specli.decoding.policy.acceptance import ConfidenceCalibration, PositionalAcceptance, best_length, expected_tokens
-from specli.decoding.policy.adaptive import PLAIN_CHECK_STEPS, PROBE_BUDGET, PROBE_CREDIT, REACH_COST, AdaptivePolicy, StepReport
+from specli.decoding.policy.adaptive import PLAIN_CHECK_STEPS, PROBE_BUDGET, REACH_COST, AdaptivePolicy, StepReport
 from specli.decoding.policy.costs import PRIOR_SLOPE, ContextSlope, PassCost, running_time
 
 FLAT = lambda n: 1.0  # noqa: E731  a GPU-like target: a pass costs the same for 1 or 33 tokens
@@ -330,7 +330,7 @@ def test_a_draft_models_cost_timed_only_after_plain_steps_is_saved_for_the_next_
 def test_re_probes_take_at_most_their_budget_where_drafting_never_pays():
     # Drafts are never accepted. Each probe that fails costs its wide pass beyond a plain one;
     # the probes together take at most PROBE_BUDGET of the time (plus the credit saved up at
-    # the start), however dear a probe is, and as often as that allows: a cheap probe (a wide
+    # the start: one plain step's worth, 1.0 here), however dear a probe is, and as often as that allows: a cheap probe (a wide
     # pass 1.3x a plain one, lookup on a GPU) comes every few dozen steps, a dear one (4x:
     # a50's, with the draft model's catch-up) every ~150.
     for wide, most_apart in ((4.0, 200), (1.3, 40), (cpu_cost(3) / cpu_cost(1), 120)):
@@ -339,7 +339,7 @@ def test_re_probes_take_at_most_their_budget_where_drafting_never_pays():
         lengths = simulate(AdaptivePolicy(32), lambda step: 0.0, 6000, cost=cost, totals=totals)
         probes = [i for i, k in enumerate(lengths) if k and i >= 100]  # (the first drafts are not probes)
         overhead = len(probes) * (wide - 1.0)
-        assert overhead <= PROBE_BUDGET * totals["seconds"] + PROBE_CREDIT + wide
+        assert overhead <= PROBE_BUDGET * totals["seconds"] + cost(1) + wide
         assert max(b - a for a, b in zip(probes, probes[1:])) <= most_apart, (wide, np.diff(probes)[-5:])
         assert max(lengths[100:]) <= 2  # only probes
 

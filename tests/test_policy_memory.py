@@ -182,7 +182,7 @@ def test_a_wide_pass_is_never_charged_more_than_its_tokens_in_one_token_passes()
     for _ in range(3):
         policy.observe(StepReport(None, 0, 0, None, 0.0, 1, 0.01))
     policy.observe(StepReport("lookup", 21, 21, None, 0.0, 22, 4.2))  # a 4.2 s stall
-    assert policy.pass_cost.table(22)[22] <= policy_store.PLAUSIBLE * 22 * 0.01 + 1e-9
+    assert policy.pass_cost.table(22)[22] <= policy_store.CLIP * 22 * 0.01 + 1e-9
 
 
 def test_what_is_saved_round_trips_and_seeds_the_next_run():

@@ -5,12 +5,19 @@ the rest. Needs llama-cpp-python built with -DGGML_RPC=on (the README's test com
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+
+try:
+    import httpx2 as httpx  # the HTTP library of openai 3.x
+except ImportError:  # openai 1.x and 2.x use httpx
+    import httpx
 
 from fixtures import synthetic
 from fixtures.cli import popen
@@ -212,14 +219,6 @@ def test_a_server_that_stops_answering_mid_generation_ends_the_run(pair, tmp_pat
 
 @pytest.mark.slow
 def test_serve_over_a_server_that_stops_answering_says_503_then_stops(pair, tmp_path):
-    import re
-    import threading
-
-    try:
-        import httpx2 as httpx  # the HTTP library of openai 3.x
-    except ImportError:  # openai 1.x and 2.x use httpx
-        import httpx
-
     target, _ = pair
     log = tmp_path / "serve.stderr"
     with rpc_servers(1, log_dir=tmp_path) as started:
@@ -277,14 +276,6 @@ def test_one_sigterm_stops_serve_within_seconds_while_a_server_is_stalled(pair, 
     (503 naming the server; an error event ends the open stream) and leaves without it, exit
     130 (was: exit only when --rpc-timeout's default 60 s ran out, the queued request a plain
     text 500 after 5 s, the stream cut)."""
-    import re
-    import threading
-
-    try:
-        import httpx2 as httpx  # the HTTP library of openai 3.x
-    except ImportError:  # openai 1.x and 2.x use httpx
-        import httpx
-
     target, _ = pair
     log = tmp_path / "serve.stderr"
     with rpc_servers(1, log_dir=tmp_path) as started:

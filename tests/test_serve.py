@@ -31,7 +31,7 @@ except ImportError:  # openai 1.x and 2.x use httpx
     import httpx
 import pytest
 
-from fixtures.cli import popen
+from fixtures.cli import popen, stop
 
 pytestmark = pytest.mark.gemma
 
@@ -88,13 +88,7 @@ class Server:
         return self.log.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop(self.proc)
 
     # --- clients --------------------------------------------------------------------------------
     def client(self, api_key: str = "x") -> openai.OpenAI:

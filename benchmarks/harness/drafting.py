@@ -40,7 +40,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--n", type=int, default=4, help="wall: the fixed draft length compared with native's at the same N")
     ap.add_argument("--sweep-noise", type=float, default=0.005, help="sweep: a relative change in a figure that counts")
     ap.add_argument("--constant", action="append", default=[], metavar="NAME=VALUE",
-                    help="replay: set a policy constant for this run (repeatable), e.g. REACH_START=8")
+                    help="replay: set a policy constant for this run (repeatable), e.g. REACH_MIN=4")
 
 
 def items_of(args, pair) -> list[prompts.Item]:
@@ -177,7 +177,9 @@ def wall(args, pair, rows: list[dict]) -> int:
         for name in names:
             plain = "specli plain" if name.startswith("specli") else "native plain"
             sp = [v for v in (ratio(i, name, plain) for i in ids) if v]
-            tpp = [best[(i, name)]["tokens"] / best[(i, name)]["passes"] for i in ids if (i, name) in best and best[(i, name)].get("passes")]
+            # (specli's decided tokens count the end-of-generation token its pass decided, as native's log does)
+            tpp = [(best[(i, name)].get("decided") or best[(i, name)]["tokens"]) / best[(i, name)]["passes"]
+                   for i in ids if (i, name) in best and best[(i, name)].get("passes")]  # fmt: skip
             cells.append(f"{gm_cell(sp, suffix='x')} / {gmean(tpp):.2f}" if sp else "-")
         vs = [ratio(i, "specli lookup auto", max(natives, key=lambda n: best.get((i, n), {}).get("tps") or 0)) for i in ids]
         cells.append(gm_cell([v for v in vs if v]))

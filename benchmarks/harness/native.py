@@ -291,8 +291,8 @@ def execute(job: Job) -> dict:
     if job.kind == "specli":
         out = json.loads(proc.stdout)
         st = out["stats"]
-        return {"tps": st["tokens_per_s"], "tokens": out["n_tokens"], "drafted": st["drafted"], "accepted": st["accepted"],
-                "passes": st["target_passes"], "text": out["text"]}  # fmt: skip
+        return {"tps": st["tokens_per_s"], "tokens": out["n_tokens"], "decided": st["decided"], "drafted": st["drafted"],
+                "accepted": st["accepted"], "passes": st["target_passes"], "text": out["text"]}  # fmt: skip
     if job.kind == "spec-simple":
         return {**spec_simple_figures(proc.stderr, job.max_tokens), "text": generated_text(proc.stdout, job.prompt)}
     if job.kind == "llama-bench":

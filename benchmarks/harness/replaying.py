@@ -18,23 +18,19 @@ from specli.decoding.replay import DraftTrace, ReplayHybrid, TraceDrafter, candi
 from specli.modes import DraftLength
 
 AUTO = DraftLength.auto()
-POLICY_MODULES = ("specli.decoding.policy.adaptive", "specli.decoding.policy.acceptance", "specli.decoding.policy.costs",
-                  "specli.decoding.policy.store", "specli.decoding.drafters", "specli.decoding.memory_drafter")  # fmt: skip
+POLICY_MODULES = ("specli.decoding.policy.constants", "specli.decoding.policy.adaptive", "specli.decoding.policy.acceptance",
+                  "specli.decoding.policy.costs", "specli.decoding.policy.store", "specli.decoding.drafters",
+                  "specli.decoding.memory_drafter")  # fmt: skip
 
 
 def policy_constants() -> dict[str, float]:
-    """The policy's numeric module-level constants (tuned numbers, not the saved file's format
+    """The policy's numeric tuned constants (policy/constants.py; not the saved file's format
     limits): name -> value, for a sweep."""
     import importlib
 
-    out = {}
-    for module in map(importlib.import_module, POLICY_MODULES[:3]):  # adaptive, acceptance, costs
-        for name, value in vars(module).items():
-            if name.isupper() and isinstance(value, (int, float)) and not isinstance(value, bool):
-                out.setdefault(name, value)
-    for name in ("SAVED_ACCEPT_WEIGHT", "SAVED_CALIBRATION_WEIGHT", "PLAUSIBLE"):
-        out[name] = getattr(importlib.import_module(POLICY_MODULES[3]), name)
-    return out
+    module = importlib.import_module(POLICY_MODULES[0])
+    return {name: value for name, value in vars(module).items()
+            if name.isupper() and isinstance(value, (int, float)) and not isinstance(value, bool)}  # fmt: skip
 
 
 def set_constant(name: str, value: str) -> None:

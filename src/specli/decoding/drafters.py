@@ -22,7 +22,7 @@ from typing import Generator, Protocol, Sequence
 
 import numpy as np
 
-from specli.llama.model import LlamaModel, fill_cache
+from specli.llama.model import LlamaModel, common_prefix_len, fill_cache
 from specli.modes import DraftMode
 from specli.decoding.policy import FIXED, DraftJudge
 from specli.decoding.sampling import GREEDY, Dist, SamplingParams, greedy_choice, penalty_history, sample_from_logits
@@ -108,19 +108,24 @@ class DraftModelDrafter:
         self.rng = np.random.default_rng(0)
         self._batch_s: float | None = None  # seconds per token of a batch pass (catch-up)
         self._last_call = time.perf_counter()  # when begin() or propose() last returned
+        # The judge of its latest proposal (a server's or a chat's policy outlives a generation):
+        # while it rests this drafter, a new prompt is not read (its re-probe catches up on the
+        # context's end, _view), so a pair that cannot pay costs nothing per request.
+        self._judge: DraftJudge = FIXED
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
         self.sampling = sampling
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self._offset = 0
-        self._timed_sync(prompt)
+        if not self._judge.resting(self.name):
+            self._timed_sync(prompt)
         self._last_call = time.perf_counter()
 
     def prefill(self, prompt: Sequence[int], budget: int) -> bool:
         """Put up to `budget` more tokens of the prompt (all but its last) into the draft model's
         cache, keeping what it holds of it; True once all are in (begin() then evaluates only
         the last). For a caller that evaluates a long prompt between other sequences' passes."""
-        return fill_cache(self.model_dft, prompt[:-1], budget)
+        return self._judge.resting(self.name) or fill_cache(self.model_dft, prompt[:-1], budget)
 
     def _timed_sync(self, view: Sequence[int]) -> tuple[np.ndarray, int]:
         """sync(view) and how many tokens were new to the cache; learns the batch speed from
@@ -135,7 +140,7 @@ class DraftModelDrafter:
     def _view(self, context: Sequence[int]) -> Sequence[int]:
         """The part of the context the draft model conditions on (see the class docstring)."""
         view = context if self._offset == 0 else [*context[:1], *context[self._offset :]]
-        behind = len(view) - len(self.model_dft.cached)
+        behind = len(view) - common_prefix_len(self.model_dft.cached, view)
         if behind > self.CATCH_UP_LIMIT and len(context) > self.CATCH_UP_LIMIT + 1 and not self._affordable(behind):
             self._offset = len(context) - self.CATCH_UP_LIMIT
             view = [*context[:1], *context[self._offset :]]
@@ -156,6 +161,7 @@ class DraftModelDrafter:
         that a caller can evaluate several sequences' tokens in one pass (parallel.py); it
         returns the Proposal. The catch-up of the cache (sync) runs here, on its own."""
         t_start = time.perf_counter()
+        self._judge = judge
         n_max = judge.limit(self.name, n_max, len(context)) if n_max > 0 else 0
         if n_max <= 0:
             return _empty(self.name)

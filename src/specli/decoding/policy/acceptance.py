@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-# Before anything is measured: an optimistic acceptance (so the first steps draft and learn).
-PRIOR_ACCEPT = 0.7
-PRIOR_WEIGHT = 3.0  # pseudo-observations behind a prior or a neighbour's estimate
-DECAY = 0.97  # weight of older observations per new one: recent text counts most
+from specli.decoding.policy.constants import (
+    COPY_AGREED, COPY_BINS, COPY_FORK, COPY_WEIGHT_MAX, DECAY, PRIOR_ACCEPT, PRIOR_WEIGHT,
+)  # fmt: skip
 
 
 def expected_tokens(accept: Sequence[float]) -> list[float]:
@@ -67,10 +66,10 @@ class PositionalAcceptance:
     ago, drifts back to its neighbour's estimate and gets tried again.
     """
 
-    def __init__(self, max_positions: int, prior: float = PRIOR_ACCEPT) -> None:
+    def __init__(self, max_positions: int, prior: float | None = None) -> None:
         self.judged = [0.0] * max_positions
         self.accepted = [0.0] * max_positions
-        self.prior = prior
+        self.prior = PRIOR_ACCEPT if prior is None else prior
         self.refused = False  # whether a draft has been refused since this record was made
 
     def observe(self, n_drafted: int, n_accepted: int) -> None:
@@ -96,12 +95,6 @@ class PositionalAcceptance:
             previous = (self.accepted[i] + PRIOR_WEIGHT * previous) / (self.judged[i] + PRIOR_WEIGHT)
             out.append(previous)
         return out
-
-
-COPY_BINS = (0, 4, 8, 16, 32, 64)  # match lengths at which a copying drafter's records begin
-COPY_WEIGHT_MAX = 16.0  # the current match counts as at most this many verdicts
-COPY_AGREED = 0.95  # prior acceptance of a copied token a second earlier place agrees on
-COPY_FORK = 0.5  # ... of the token where the two places differ
 
 
 class CopyAcceptance:

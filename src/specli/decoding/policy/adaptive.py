@@ -27,45 +27,16 @@ from typing import Iterable, Sequence
 from specli.decoding.policy.acceptance import (
     ConfidenceCalibration, CopyAcceptance, PositionalAcceptance, best_length, expected_tokens, gated_rate,
 )  # fmt: skip
-from specli.decoding.policy.costs import (
-    COST_EMA, CONTENDED, MIN_SAMPLES_SAVED, PRIOR_SLOPE, SAMPLES_KEPT, SEED_WEIGHT, PassCost, running_time,
+from specli.decoding.policy.constants import (
+    CEILING_ACCEPT, CEILING_RECHECK, CLIP, CONTENDED, COPY_REACH, COST_EMA, FIRST_PASS_SLOWER,
+    PLAIN_CHECK_EVERY_MAX, PLAIN_CHECK_EVERY_MIN, PLAIN_CHECK_MARGIN, PLAIN_CHECK_STEPS,
+    PRIOR_DRAFT_COST, PRIOR_SLOPE, PROBE_BUDGET, RECENT, PROBE_EVERY_MIN, PROBE_FADE,
+    PROBE_LENGTH, PROBE_SURPRISE, REACH_COST, REACH_MIN, SAVED_ACCEPT_WEIGHT,
+    SAVED_CALIBRATION_WEIGHT, SEED_CHECKS, SEED_TRUST, SEED_WATCH, SEED_WEIGHT, WARM_UP_DRAFTS,
 )  # fmt: skip
+from specli.decoding.policy.costs import PassCost, recent_timings, running_time
 from specli.decoding.policy.judge import DraftJudge
-from specli.decoding.policy.store import PLAUSIBLE, SAVED_ACCEPT_WEIGHT, SAVED_CALIBRATION_WEIGHT, Cost, Saved, SourceRecord
-
-PRIOR_DRAFT_COST = 0.1  # t_draft / T(1) until a draft is measured
-PROBE_LENGTH = 2
-PROBE_EVERY_MIN = 4  # plain steps before a re-probe, at least
-PROBE_BUDGET = 0.02  # probes that do not pay take at most this share of the time,
-PROBE_CREDIT = 1.0  # plus at most this many plain steps' worth saved up while none was due
-# (about one probe: more, and a short reply after a long plain stretch pays for a burst of probes)
-SEED_TRUST = 1.5  # saved costs are dropped when a run's own passes differ by more than this factor
-SEED_CHECKS = 3  # own passes of each kind (one-token, wide) that confirm or refute them
-FIRST_PASS_SLOWER = 1.2  # the first pass of a size in a process, against later ones (its buffers are sized)
-SEED_WATCH = 256  # steps after which saved costs that were never refuted are taken as confirmed
-REACH_START = 4  # a source's drafts reach at most this far at first, then twice its latest
-REACH_MIN = 2  # accepted run (at least this) ...
-REACH_COST = 1.25  # ... unless going further costs at most this times the pass at that reach
-COPY_REACH = 0.5  # a copy after a match of m tokens reaches at least this times m
-# (on a CPU a wide pass refused early costs many plain ones, and deep positions are estimated
-# from shallow ones; on a GPU wide passes cost nearly nothing more, so no limit)
-PROBE_FADE = 0.1  # evidence kept when a probe's verdict is news
-PROBE_SURPRISE = 0.25  # a fully accepted probe is news only if the record gave it less than this
-PLAIN_CHECK_EVERY_MIN = 128  # drafting steps before plain decoding is timed again
-PLAIN_CHECK_EVERY_MAX = 1024  # the interval doubles after each check, back to the minimum
-# whenever the policy chooses plain decoding
-PLAIN_CHECK_STEPS = 4  # plain steps of a check: the first runs on caches the drafter filled
-PLAIN_CHECK_MARGIN = 1.5  # no check where drafting is expected to beat plain by more than this
-PLAIN_CHECK_WEIGHT = 0.5  # a check's timings replace a stale estimate faster than routine ones
-GOING_DECAY = 0.95  # weight of a step in the going rate per newer step (about the last 20)
-LOOKAHEAD = 8  # drafts after the current one that `keep` weighs
-CEILING_ACCEPT = 0.95  # a draft model's per-token acceptance it is never assumed to beat (seen: 0.68-0.99
-# per reply on chat and code, Qwen2.5-Coder 0.5B for 1.5B): where even that would not pay, nothing is probed
-CEILING_RECHECK = 256  # plain steps before such a drafter is probed again (the interval doubles
-# each time): its costs are re-timed, in case the machine changed
-WARM_UP_DRAFTS = 4  # a draft model's first steps draft (keep still judges each token): the
-# first timings of a new pass shape are slow, and a gate closed on them would only reopen
-# through re-probes
+from specli.decoding.policy.store import Cost, Saved, SourceRecord
 
 
 @dataclass
@@ -82,17 +53,17 @@ class SourceState:
     probe_s: float | None = None  # what a re-probe step costs beyond a plain step, running mean
     judged_at: int = 0  # the context length at the last decision on drafting
     runs_model: bool = False  # it times its drafts (a draft model, whose passes evict the target's weights)
-    reach: int = REACH_START  # see REACH_START
+    reach: int = field(default_factory=lambda: 2 * REACH_MIN)  # drafts reach at most this far (see REACH_MIN)
     recheck_in: int | None = None  # plain steps until a drafter that cannot pay is probed again (None: it can)
-    recheck_every: int = CEILING_RECHECK
+    recheck_every: int = field(default_factory=lambda: CEILING_RECHECK)
     # This run's own timings of t_draft and start_s, from steps whose pass was not contended:
     # their medians are what is saved.
-    t_draft_samples: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
-    start_samples: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
+    t_draft_samples: deque = field(default_factory=recent_timings)
+    start_samples: deque = field(default_factory=recent_timings)
     # ... and of t_draft on caches the target had filled (after plain steps): saved only when
     # there is no other (a draft model that never pays drafts only after plain steps, and the
     # next run must know it costs too much without drafting to find out).
-    t_draft_cold: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
+    t_draft_cold: deque = field(default_factory=recent_timings)
 
 
 @dataclass
@@ -126,7 +97,7 @@ class ProposalPlan:
         costs, t_draft = self.costs, self.t_draft
         spent = (position + 1) * t_draft  # draft passes already paid, whatever we decide
         rate_without = self.expected / (spent + costs[position + 1])
-        later = self.rates[position + 1 : position + 1 + LOOKAHEAD]
+        later = self.rates[position + 1 :]
         expected, all_accepted = self.expected, self.all_accepted * a_here
         best_with, best_extra = 0.0, 0
         for extra, a in enumerate([a_here, *later]):
@@ -201,12 +172,11 @@ class AdaptivePolicy(DraftJudge):
         self._since_plain = 0  # drafting steps since plain decoding was last timed
         self._plain_check_every = PLAIN_CHECK_EVERY_MIN
         self._plain_check_left = 0  # plain steps still to make for a check
-        self._plain_checking = False  # the latest plain steps are a check's
         self._previous_draft_s = 0.0  # the drafter's time at the last step (a plain one: limit())
         self._previous_drafter: str | None = None  # the source whose drafter ran at the last step
         # Probing is paid from one budget: PROBE_BUDGET of every step's time, spent by each probe
         # that did not pay (its time beyond the plain steps that would have made its tokens),
-        # saved up to PROBE_CREDIT plain steps (None: full).
+        # saved up to one plain step's worth, about one probe (None: full).
         self._credit: float | None = None
         self._credit_cap = 0.0
         self._utilizations: deque[float] = deque(maxlen=64)  # CPU use per second of recent passes
@@ -220,7 +190,7 @@ class AdaptivePolicy(DraftJudge):
         self._own_passes: list[tuple[int, float, bool, int, float | None, bool]] = []
         self._sizes_seen: set[int] = set()  # pass sizes this run has made
         self._steps = 0
-        self._made = 0.0  # tokens made lately, each step's counting GOING_DECAY as much per newer step
+        self._made = 0.0  # tokens made lately, each step's counting RECENT as much per newer step
         self._made_s = 0.0  # ... and the seconds they took
 
     def seed(self, saved: Saved) -> None:
@@ -283,7 +253,7 @@ class AdaptivePolicy(DraftJudge):
             passes.setdefault(n, cost)
         one = passes.get(1)
         if one is not None:
-            passes = {n: c for n, c in passes.items() if c.seconds <= PLAUSIBLE * n * one.seconds}
+            passes = {n: c for n, c in passes.items() if c.seconds <= CLIP * n * one.seconds}
         out = Saved(passes=passes, key=dict(key or {}), saved_at=now, utilization=usual)
         for name, slope in (("context_one", self.pass_cost.context_one), ("context_wide", self.pass_cost.context_wide)):
             value = slope.slope if slope.learnt else getattr(seed, name, 0.0) if seed is not None else 0.0
@@ -308,6 +278,13 @@ class AdaptivePolicy(DraftJudge):
         if name not in self._sources:
             self._sources[name] = SourceState(PositionalAcceptance(self.max_draft), CopyAcceptance(self.max_draft))
         return self._sources[name]
+
+    def resting(self, source: str) -> bool:
+        """Whether `source` waits for its re-timing (it could not pay even at CEILING_ACCEPT):
+        until then it drafts nothing, so a draft model need not read new prompts (a server's or
+        a chat's next request: the policy outlives a generation)."""
+        state = self._sources.get(source)
+        return state is not None and state.recheck_in is not None and state.recheck_in > 0
 
     def _t_draft(self, state: SourceState) -> float:
         if state.t_draft is not None:
@@ -433,7 +410,6 @@ class AdaptivePolicy(DraftJudge):
         self._since_plain = 0
         self._plain_check_every = min(self._plain_check_every * 2, PLAIN_CHECK_EVERY_MAX)
         self._plain_check_left = PLAIN_CHECK_STEPS - 1
-        self._plain_checking = True
         return True
 
     def _limit_copy(self, plan: ProposalPlan, state: SourceState, n_max: int, context_len: int, match: int,
@@ -524,8 +500,8 @@ class AdaptivePolicy(DraftJudge):
         record = plan.record if plan is not None and plan.source == source else source
         state = None if record is None else self.source(record)
         self._pay_for_probes(probe, draft_s + pass_s + (gap_s or 0.0), n_accepted + 1, context_len)
-        self._made = self._made * GOING_DECAY + n_accepted + 1
-        self._made_s = self._made_s * GOING_DECAY + draft_s + pass_s + (gap_s or 0.0)
+        self._made = self._made * RECENT + n_accepted + 1
+        self._made_s = self._made_s * RECENT + draft_s + pass_s + (gap_s or 0.0)
         if probe and state is not None and self.plain_s is not None:
             state.probe_s = running_time(state.probe_s, max(draft_s + pass_s - self._plain_pass_at(context_len), 0.0))
         ran = state is not None and (n_drafted > 0 or confidences is not None)  # (a draft model may only have looked)
@@ -549,11 +525,10 @@ class AdaptivePolicy(DraftJudge):
             # drafter's work): it counts only where faster than the record; later ones as they come.
             seconds = self.pass_cost.at_no_context(1, pass_s, context_len)
             if self._plain_run > 2 or self.plain_s is None or seconds < self.plain_s:
-                self.plain_s = running_time(self.plain_s, seconds, PLAIN_CHECK_WEIGHT if self._plain_checking else COST_EMA)
+                self.plain_s = running_time(self.plain_s, seconds)
             self._since_plain = 0
         elif not plain:
             self._since_plain += 1
-        self._plain_checking = self._plain_checking and plain and self._plain_run < PLAIN_CHECK_STEPS
         self._previous_draft_s = draft_s
         if state is None:
             return
@@ -617,12 +592,12 @@ class AdaptivePolicy(DraftJudge):
             state.calibration.observe(confidences, n_accepted)
 
     def _pay_for_probes(self, probe: bool, step_s: float, tokens: int, context_len: int) -> None:
-        """The probing budget: every step adds PROBE_BUDGET of its time (up to PROBE_CREDIT plain
-        steps); a probe spends what it cost beyond the plain steps that would have made its tokens."""
+        """The probing budget: every step adds PROBE_BUDGET of its time (up to one plain step's
+        worth); a probe spends what it cost beyond the plain steps that would have made its tokens."""
         if self.plain_s is None:
             return
         plain = self._plain_at(context_len)
-        cap = self._credit_cap = PROBE_CREDIT * plain  # (a full budget compares with the cap it was cut to)
+        cap = self._credit_cap = plain  # (a full budget compares with the cap it was cut to)
         credit = cap if self._credit is None else self._credit
         if probe:
             credit -= max(step_s - tokens * plain, 0.0)
@@ -666,9 +641,9 @@ class AdaptivePolicy(DraftJudge):
 
 
 def _median_cost(samples: Sequence[float], now: float, before: Cost | None) -> Cost | None:
-    """The median of a run's own timings as a saved Cost (MIN_SAMPLES_SAVED at least), else
-    what was saved before."""
-    if len(samples) >= MIN_SAMPLES_SAVED:
+    """The median of a run's own timings as a saved Cost (one is enough: the next run checks
+    it), else what was saved before."""
+    if samples:
         return Cost(statistics.median(samples), len(samples), now)
     return before
 

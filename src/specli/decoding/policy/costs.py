@@ -10,28 +10,25 @@ import math
 import statistics
 from collections import deque
 
-from specli.decoding.policy.store import PLAUSIBLE
-
-PRIOR_SLOPE = 0.5  # T(n) = T(1) * (1 + PRIOR_SLOPE * (n - 1)) until two pass sizes are measured
-COST_EMA = 0.2  # weight of the newest timing in a running mean of a duration
-COST_FORGET = 0.95  # weight of a wide pass in the cost line per newer pass (about 20 passes)
-COST_CLIP = 1.5  # a wide pass counts at most this times the line's estimate
-CONTEXT_FORGET = 0.995  # weight of a pass in the context slope per newer pass (about 200 passes)
-CONTEXT_PRIOR = 4 * 100.0**2  # the slope leans to 0 until passes' n * context differ this much
-CONTEXT_CLIP = 2.0  # a pass counts at most this times its estimate (looser: the slope is being learnt)
-SEED_WEIGHT = 2.0  # pseudo-passes a saved pass cost counts as
-CONTENDED = 0.8  # a pass using less CPU per second than this share of the usual was slowed down
-SAMPLES_KEPT = 31  # recent uncontended timings per pass size, whose median is saved
-MIN_SAMPLES_SAVED = 1  # timings a pass size needs before its median is saved (the next run checks it)
+from specli.decoding.policy.constants import (
+    CLIP, CONTENDED, CONTEXT_FORGET, CONTEXT_PRIOR, COST_EMA, PRIOR_SLOPE, RECENT, SEED_WEIGHT,
+)  # fmt: skip
 
 
-def running_time(mean: float | None, seconds: float, weight: float = COST_EMA) -> float:
-    """A running mean of a duration; a timing counts at most COST_CLIP times the mean (a pass
-    stalled by another process must not steer it for dozens). Symmetric: following faster
-    timings faster than slower ones biased it low (docs/policy.md, `running_time`)."""
+def recent_timings() -> deque:
+    """A run's recent timings of one kind, whose median is saved: the last 1 / (1 - RECENT),
+    about 20, as many as the cost line weighs."""
+    return deque(maxlen=round(1 / (1 - RECENT)))
+
+
+def running_time(mean: float | None, seconds: float, weight: float | None = None) -> float:
+    """A running mean of a duration, the newest timing counting `weight` (COST_EMA); a timing
+    counts at most CLIP times the mean (a pass stalled by another process must not steer
+    it for dozens). Symmetric: following faster timings faster than slower ones biased it low
+    (docs/policy.md, `running_time`)."""
     if mean is None:
         return seconds
-    return mean + weight * (min(seconds, COST_CLIP * mean) - mean)
+    return mean + (COST_EMA if weight is None else weight) * (min(seconds, CLIP * mean) - mean)
 
 
 class ContextSlope:
@@ -75,7 +72,7 @@ class ContextSlope:
             self._den -= den
             if sums[0] >= 3:  # one stalled pass must not tilt the slope for hundreds
                 predicted = sums[3] / sums[0] + self.slope * (x - sums[1] / sums[0])
-                seconds = min(seconds, CONTEXT_CLIP * predicted)
+                seconds = min(seconds, CLIP * predicted)
         w, wx, wxx, wt, wxt = sums[:5]
         sums[:5] = [w + 1, wx + x, wxx + x * x, wt + seconds, wxt + x * seconds]
         num, den = self._centred(sums)
@@ -98,7 +95,7 @@ class PassCost:
 
     A one-token pass (plain decoding, or a draft model's look that kept nothing) keeps a running
     mean of its own. Wider passes follow a straight line, T(n) = a + b n, fitted by least
-    squares to recent passes, each older pass counting COST_FORGET as much as the next: on a
+    squares to recent passes, each older pass counting RECENT as much as the next: on a
     CPU a pass costs about a fixed part plus a part per token, on a GPU nearly the fixed part
     alone. (One mean per size left a size measured in a slow moment expensive for good: it was
     never chosen again, so never re-measured; docs/policy.md, `PassCost`.)
@@ -128,23 +125,23 @@ class PassCost:
         slowness off as the context's), nor is it saved."""
         assert n_tokens >= 1 and seconds >= 0 and math.isfinite(seconds)
         if 1 in self._mean and n_tokens > 1:
-            # A wide pass is never charged more than PLAUSIBLE one-token passes per token: what
+            # A wide pass is never charged more than CLIP one-token passes per token: what
             # is above that is a stall, not the pass.
-            seconds = min(seconds, PLAUSIBLE * n_tokens * (self._mean[1] + self.context_cost(1, context)))
+            seconds = min(seconds, CLIP * n_tokens * (self._mean[1] + self.context_cost(1, context)))
         if not cold:
             self._context_slope(n_tokens).observe(n_tokens, seconds, context)
         seconds = self.at_no_context(n_tokens, seconds, context)
         if not cold:
-            self.samples.setdefault(n_tokens, deque(maxlen=SAMPLES_KEPT)).append((seconds, utilization))
+            self.samples.setdefault(n_tokens, recent_timings()).append((seconds, utilization))
         self._mean[n_tokens] = running_time(self._mean.get(n_tokens), seconds)
         if n_tokens >= 2:
             if self._fit[0] >= 3:
                 # One pass stalled by another process must not steer the line for dozens.
                 at_0, slope = self._line()
-                seconds = min(seconds, (1.0 if cold else COST_CLIP) * (at_0 + slope * n_tokens))
-            w, wn, wnn, wt, wnt = (x * COST_FORGET for x in self._fit)
+                seconds = min(seconds, (1.0 if cold else CLIP) * (at_0 + slope * n_tokens))
+            w, wn, wnn, wt, wnt = (x * RECENT for x in self._fit)
             self._fit = [w + 1, wn + n_tokens, wnn + n_tokens**2, wt + seconds, wnt + n_tokens * seconds]
-            self._widest = max(self._widest * COST_FORGET, n_tokens)
+            self._widest = max(self._widest * RECENT, n_tokens)
 
     def _context_slope(self, n_tokens: int) -> ContextSlope:
         return self.context_one if n_tokens == 1 else self.context_wide
@@ -157,9 +154,10 @@ class PassCost:
         """A timing taken after `context` tokens, as it would be with none (at least a tenth of it)."""
         return max(seconds - self.context_cost(n_tokens, context), 0.1 * seconds)
 
-    def seed(self, n_tokens: int, seconds: float, weight: float = SEED_WEIGHT) -> None:
+    def seed(self, n_tokens: int, seconds: float, weight: float | None = None) -> None:
         """Start from a saved cost: a pass over n_tokens at no context takes `seconds`, counted as
-        `weight` passes (the run's own passes soon outweigh it). Not a sample of this run."""
+        `weight` passes (SEED_WEIGHT: the run's own passes soon outweigh it). Not a sample of this run."""
+        weight = SEED_WEIGHT if weight is None else weight
         self._mean[n_tokens] = seconds if n_tokens not in self._mean else self._mean[n_tokens]
         if n_tokens >= 2:
             w, wn, wnn, wt, wnt = self._fit
@@ -173,7 +171,7 @@ class PassCost:
         out = {}
         for n, kept in self.samples.items():
             good = [s for s, u in kept if usual_utilization is None or u is None or u >= CONTENDED * usual_utilization]
-            if len(good) >= MIN_SAMPLES_SAVED:
+            if good:  # (one is enough: the next run checks what it is told)
                 out[n] = (statistics.median(good), len(good))
         return out
 

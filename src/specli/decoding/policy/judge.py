@@ -24,6 +24,11 @@ class DraftJudge:
         the cap."""
         return n_max if cap is None else max(min(n_max, cap), 0)
 
+    def resting(self, source: str) -> bool:
+        """Whether `source` is set aside for now (its measured costs cannot pay): a draft model
+        then need not read a new prompt into its cache. This judge sets none aside."""
+        return False
+
     def keep(self, source: str, position: int, confidence: float) -> bool:
         """Whether the draft token at `position`, which the drafter gives this probability,
         is worth sending to the target (False ends the proposal before it)."""

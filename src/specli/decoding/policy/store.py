@@ -10,7 +10,7 @@ per draft position), which its first evidence overrides; prompt lookup's is kept
 
 A file is checked whole before anything in it is used: its size, JSON of bounded depth, every
 field's type and range (finite, positive, within physical bounds), timestamps not in the future,
-and costs that agree with each other (a pass over k tokens costs at most PLAUSIBLE times k
+and costs that agree with each other (a pass over k tokens costs at most CLIP times k
 one-token passes). Anything else makes the whole file ignored, with a reason (`Rejected`).
 """
 
@@ -21,6 +21,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from specli.decoding.policy.constants import CLIP, SAVED_ACCEPT_WEIGHT, SAVED_CALIBRATION_WEIGHT
+
 FORMAT = "specli-policy"
 VERSION = 4
 MAX_BYTES = 256 * 1024  # a saved file is a few kB; anything much larger is not ours
@@ -30,13 +32,10 @@ MAX_SOURCES = 8
 MAX_POSITIONS = 64
 MAX_AGE_S = 30 * 86400.0  # saved pass costs older than this are dropped (the machine changes)
 FUTURE_SLACK_S = 86400.0  # a timestamp later than now by more than this is damage, not clock skew
-PLAUSIBLE = 1.5  # a pass over k tokens never costs more than k one-token passes times this
 MIN_PASS_S, MAX_PASS_S = 1e-7, 120.0
 MAX_SLOPE = 1e-3  # seconds per token per token of context: 1 ms would be a 4 s pass at 4k
 MAX_GAP_S = 1.0
 MAX_UTILIZATION = 1024.0  # CPU seconds per second of a pass (threads)
-SAVED_ACCEPT_WEIGHT = 2.0  # verdicts per draft position a saved acceptance record counts as
-SAVED_CALIBRATION_WEIGHT = 3.0  # likewise per confidence bin of a draft model
 
 
 class Rejected(ValueError):
@@ -251,9 +250,9 @@ def parse(text: str, now: float | None = None) -> Saved:
     one = saved.passes.get(1)
     if one is not None:
         for width, cost in saved.passes.items():
-            if cost.seconds > PLAUSIBLE * width * one.seconds:
+            if cost.seconds > CLIP * width * one.seconds:
                 raise Rejected(
-                    f"a pass over {width} tokens is saved as {cost.seconds:.4g} s, more than {PLAUSIBLE:g} x {width} one-token "
+                    f"a pass over {width} tokens is saved as {cost.seconds:.4g} s, more than {CLIP:g} x {width} one-token "
                     f"passes ({one.seconds:.4g} s each): measured on a busy machine"
                 )
     saved.context_one = _number(data.get("context_one", 0.0), "context_one", 0.0, MAX_SLOPE)
