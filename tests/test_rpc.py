@@ -30,6 +30,24 @@ def specli(*args: str, timeout: float = 180, env: dict | None = None) -> subproc
     return subprocess.run([sys.executable, "-m", "specli", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def serve_over_rpc(target, endpoint: str, log, *options: str) -> subprocess.Popen:
+    """`specli serve` of the target with 3 layers on one RPC server, stderr to `log`."""
+    with open(log, "w") as err:
+        return popen(
+            [sys.executable, "-m", "specli", "serve", "-m", str(target), "--target-only", "-c", "4096", "--threads", "1", "-ngl", "3",
+             "--rpc", endpoint, *options, "--port", "0"], stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
+
+
+def listening_url(proc: subprocess.Popen, log, deadline_s: float = 120) -> str:
+    """The URL a `specli serve` prints once it listens (an assertion if it exits or takes too long)."""
+    deadline = time.monotonic() + deadline_s
+    while not (found := re.search(r"listening on (http://[\d.]+:\d+)", log.read_text())):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    return found.group(1)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A 4-layer F32 pair: -ngl 3 leaves one block (and the output) here, three go remote."""
@@ -223,17 +241,10 @@ def test_serve_over_a_server_that_stops_answering_says_503_then_stops(pair, tmp_
     log = tmp_path / "serve.stderr"
     with rpc_servers(1, log_dir=tmp_path) as started:
         endpoint, server = started[0]
-        with open(log, "w") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "specli", "serve", "-m", str(target), "--target-only", "-c", "4096", "--threads", "1", "-ngl", "3",
-                 "--rpc", endpoint, "--rpc-timeout", "2", "--port", "0"], stdout=subprocess.DEVNULL, stderr=err,
-            )  # fmt: skip
+        proc = serve_over_rpc(target, endpoint, log, "--rpc-timeout", "2")
         try:
+            url = listening_url(proc, log)
             deadline = time.monotonic() + 120
-            while not (found := re.search(r"listening on (http://[\d.]+:\d+)", log.read_text())):
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
-            url = found.group(1)
             chunks: list[bytes] = []
 
             def stream() -> None:
@@ -280,17 +291,10 @@ def test_one_sigterm_stops_serve_within_seconds_while_a_server_is_stalled(pair, 
     log = tmp_path / "serve.stderr"
     with rpc_servers(1, log_dir=tmp_path) as started:
         endpoint, server = started[0]
-        with open(log, "w") as err:
-            proc = popen(
-                [sys.executable, "-m", "specli", "serve", "-m", str(target), "--target-only", "-c", "4096", "--threads", "1", "-ngl", "3",
-                 "--rpc", endpoint, "--port", "0"], stdout=subprocess.DEVNULL, stderr=err,
-            )  # fmt: skip
+        proc = serve_over_rpc(target, endpoint, log)
         try:
+            url = listening_url(proc, log)
             deadline = time.monotonic() + 120
-            while not (found := re.search(r"listening on (http://[\d.]+:\d+)", log.read_text())):
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
-            url = found.group(1)
             chunks: list[bytes] = []
             queued: list = []
 
