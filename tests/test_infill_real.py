@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ try:
 except ImportError:
     import httpx
 
-from fixtures.cli import popen
+from fixtures.cli import popen, stop
 from specli.llama.model import LlamaModel
 from specli.llama.native import init_backend
 from specli.server import fim
@@ -63,13 +62,7 @@ def running(cmd: list[str], log: Path, pattern: str):
             time.sleep(0.2)
         yield httpx.Client(base_url=f"http://127.0.0.1:{found.group(1)}", timeout=900)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+        stop(proc, 60)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from fixtures.cli import ONE, popen, specli, write_jsonl
+from fixtures.cli import ONE, popen, specli, stop, write_jsonl
 from specli.llama.model import LlamaModel
 from specli.llama.native import init_backend
 from specli.session.chat import choose_formatter, encode_conversation
@@ -216,13 +215,7 @@ def serving(cmd: list[str], log: Path, ready):
             time.sleep(0.2)
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+        stop(proc)
 
 
 def post(url: str, path: str, body: dict) -> dict:
