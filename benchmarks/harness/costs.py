@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import platform
-import random
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,35 +44,28 @@ def flat_like(costs: Costs) -> Costs:
 
 def measure(target: Path, draft: Path | None, out: Path, *, threads: int, samples: int = 9, depth: int = 256) -> dict:
     """Median time of a target pass by width (1-65, logits for every position) after `depth`
-    tokens of context, each width timed `samples` times in shuffled order; the draft model's
-    one-token pass likewise."""
+    tokens of context, and of the draft model's one-token pass: specli's own measurement
+    (session/costs.measure: every width and the draft's pass timed once a round, in shuffled
+    order, `samples` rounds)."""
     from specli.llama.model import LlamaModel
     from specli.llama.native import init_backend
+    from specli.session.costs import measure as measure_passes
 
     init_backend()
-    payload = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "threads": threads, "depth": depth}
-    for role, path, widths in (("target", target, list(range(1, 66))), ("draft", draft, [1])):
-        if path is None:
-            continue
-        model = LlamaModel(Path(path), n_ctx=1024, n_threads=threads)
-        context = model.tokenize("The quick brown fox jumps over the lazy dog. " * 80, add_bos=False)[: depth + 70]
-        model.eval(context[:depth], logits="none")
-        times: dict[int, list[float]] = {n: [] for n in widths}
-        for n in widths:  # once each first: llama.cpp sizes its buffers for a new width
-            model.eval(context[depth : depth + n], logits="all")
-            model.truncate(depth)
-        rng = random.Random(0)
-        for r in range(samples):
-            order = widths[:]
-            rng.shuffle(order)
-            for n in order:
-                t = time.perf_counter()
-                model.eval(context[depth : depth + n], logits="all")
-                times[n].append(time.perf_counter() - t)
-                model.truncate(depth)
-        model.close()
-        payload[role] = {str(n): statistics.median(v) for n, v in times.items()}
-        log(f"{role}: " + ", ".join(f"T({n}) {statistics.median(times[n]) * 1e3:.1f} ms" for n in widths if n in (1, 2, 4, 8, 16, 32, 65)))
+    models = [LlamaModel(Path(p), n_ctx=1024, n_threads=threads) for p in (target, draft) if p is not None]
+    try:
+        costs = measure_passes(models[0], models[1] if draft is not None else None, widths=tuple(range(1, 66)),
+                               samples=samples, depth=depth)  # fmt: skip
+    finally:
+        for model in models:
+            model.close()
+    payload = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "threads": threads, "depth": costs.depth,
+               "target": {str(n): s for n, s in costs.target_s.items()}}  # fmt: skip
+    log("target: " + ", ".join(f"T({n}) {costs.target_s[n] * 1e3:.1f} ms" for n in (1, 2, 4, 8, 16, 32, 65) if n in costs.target_s))
+    if costs.draft_s is not None:
+        payload["draft"] = {"1": costs.draft_s}
+        log(f"draft: T(1) {costs.draft_s * 1e3:.1f} ms")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(payload, indent=1), encoding="utf-8")
     return payload
 
