@@ -54,8 +54,10 @@ def test_lookup_tokens_are_the_targets_greedy_choices(gemma, prompt, record_prop
           f"first divergence from target-only: {divergence}, acceptance {gen.stats.acceptance_rate}")
     assert gen.stats.drafted > 0
     assert gaps.max() <= LOGIT_MARGIN
-    # Target-only decoding is exactly the one-token-at-a-time computation.
-    assert greedy_gaps(gemma, ids, reference.token_ids).max() == 0.0
+    # Target-only decoding is exactly its own computation: the prompt in one pass, then one token
+    # at a time (where a CPU's batched and one-token passes round apart, that is not the same
+    # as a one-token pass for the prompt's last token, which the margin above allows for).
+    assert greedy_gaps(gemma, ids, reference.token_ids, prompt_at_once=True).max() == 0.0
 
 
 def test_lookup_on_code_accepts_most_drafts(gemma):

@@ -11,8 +11,9 @@ import pytest
 
 from specli.decoding.policy import store as policy_store
 from specli.decoding.policy.acceptance import CopyAcceptance
-from specli.decoding.policy.adaptive import SEED_CHECKS, AdaptivePolicy, StepReport
+from specli.decoding.policy.adaptive import FIRST_LOOK, PRIOR_WEIGHT, AdaptivePolicy, StepReport
 from specli.decoding.policy.store import Rejected
+from specli.modes import MAX_DRAFT
 
 NOW = 1_800_000_000.0
 LONG_MATCH = 12  # a lookup match as long as native ngram-simple's key
@@ -91,7 +92,7 @@ def test_one_busy_run_does_not_slow_the_runs_after_it(cpu_measured):
 
 def test_saved_costs_that_disagree_with_the_run_are_dropped_within_a_few_passes():
     # Saved costs 3x too high (a busy run whose CPU use was not measured): the run's own
-    # plain and wide passes refute them within SEED_CHECKS of each, and it goes on as fresh.
+    # plain and wide passes refute them within FIRST_LOOK of each, and it goes on as fresh.
     inflated = lambda n: 3 * quiet(n)  # noqa: E731
     saved = through_a_file(run(None, inflated, 1.0, utilization=None)[0])
     policy, lengths, _ = run(saved, quiet, 1.0, steps=40, utilization=None)
@@ -101,6 +102,19 @@ def test_saved_costs_that_disagree_with_the_run_are_dropped_within_a_few_passes(
     saved = through_a_file(run(None, quiet, 0.9, utilization=None)[0])
     policy, _, _ = run(saved, quiet, 0.9, steps=300, utilization=None)
     assert policy.seed_status == "confirmed"
+
+
+def test_a_saved_context_slope_far_from_the_machines_is_refuted_like_any_saved_cost():
+    # store.py bounds a saved slope only as loosely as any duration (MAX_PASS_S): one that is
+    # absurd but within it (1 ms per token per token of context: a one-token pass 0.1 s dearer
+    # at 100 tokens) is read, then refuted by the run's own passes, which go on as fresh.
+    saved = through_a_file(run(None, quiet, 1.0)[0])
+    saved.context_one = saved.context_wide = 1e-3
+    saved = policy_store.parse(policy_store.dumps(saved), now=NOW + 60)
+    assert saved.context_one == 1e-3
+    policy, lengths, _ = run(saved, quiet, 1.0, steps=40)
+    assert policy.seed_status == "dropped"
+    assert np.mean(lengths[10:]) >= 16
 
 
 def test_a_run_that_starts_from_saved_costs_drafts_at_once():
@@ -119,7 +133,7 @@ def test_acceptance_is_the_texts_not_the_pairs():
     # A run where drafts always fail, then a text that copies: the saved record is a weak
     # prior that the new text's first evidence overrides (drafting long within a few steps).
     saved = through_a_file(run(None, quiet, 0.0, steps=400)[0])
-    assert all(judged <= policy_store.SAVED_ACCEPT_WEIGHT for judged, _ in saved.sources["lookup"].acceptance)
+    assert all(judged <= PRIOR_WEIGHT for judged, _ in saved.sources["lookup"].acceptance)
     _, lengths, _ = run(saved, quiet, 1.0, steps=120)
     first_long = next(i for i, k in enumerate(lengths) if k >= 8)
     assert first_long <= 40, lengths[:60]
@@ -145,7 +159,7 @@ def test_a_warm_run_drafts_on_short_matches_until_a_draft_is_refused():
     drafted = [k for k in failing if k]
     # After the first refusal, drafts only until the run's own wide passes have checked the
     # saved costs (the first pass of a size checks nothing), then none.
-    assert drafted and len(drafted) <= 1 + SEED_CHECKS + 1 and not any(failing[20:]), failing
+    assert drafted and len(drafted) <= 1 + FIRST_LOOK + 1 and not any(failing[20:]), failing
 
 
 def test_the_length_of_a_lookup_match_is_evidence_the_copy_goes_on():
@@ -182,7 +196,7 @@ def test_a_wide_pass_is_never_charged_more_than_its_tokens_in_one_token_passes()
     for _ in range(3):
         policy.observe(StepReport(None, 0, 0, None, 0.0, 1, 0.01))
     policy.observe(StepReport("lookup", 21, 21, None, 0.0, 22, 4.2))  # a 4.2 s stall
-    assert policy.pass_cost.table(22)[22] <= policy_store.CLIP * 22 * 0.01 + 1e-9
+    assert policy.pass_cost.table(22)[22] <= policy_store.NOISE * 22 * 0.01 + 1e-9
 
 
 def test_what_is_saved_round_trips_and_seeds_the_next_run():
@@ -261,7 +275,16 @@ def test_a_good_file_is_read_and_old_costs_age_out():
     assert later.passes == {}
     # A record written with more weight than a prior may have is scaled down to it.
     heavy = policy_store.parse(edited("sources.lookup.acceptance", [[200.0, 150.0]]), now=NOW)
-    assert heavy.sources["lookup"].acceptance == [(policy_store.SAVED_ACCEPT_WEIGHT, 1.5)]
+    assert heavy.sources["lookup"].acceptance == [(PRIOR_WEIGHT, 0.75 * PRIOR_WEIGHT)]
+
+
+def test_the_widest_saved_pass_is_the_widest_a_step_makes():
+    # store.py keeps its own copy of the bound (the policy imports nothing outside itself).
+    assert policy_store.MAX_WIDTH == MAX_DRAFT + 1
+    wide = {str(MAX_DRAFT + 1): GOOD["passes"]["3"], "1": GOOD["passes"]["1"]}
+    assert MAX_DRAFT + 1 in policy_store.parse(edited("passes", wide), now=NOW).passes
+    with pytest.raises(Rejected):
+        policy_store.parse(edited("passes", {str(MAX_DRAFT + 2): GOOD["passes"]["3"]}), now=NOW)
 
 
 def test_nothing_invalid_is_ever_written():
@@ -276,7 +299,7 @@ def test_nothing_invalid_is_ever_written():
 
 
 def test_seed_checks_need_only_a_few_passes():
-    assert 2 <= SEED_CHECKS <= 5
+    assert 2 <= FIRST_LOOK <= 5
 
 
 def test_only_a_draft_models_acceptance_seeds_the_next_run():

@@ -167,3 +167,25 @@ def test_saved_costs_that_say_drafting_never_pays_are_overruled_by_a_long_match(
     run = replay(text, prompt_len, PromptLookupDrafter(), DraftLength.auto(), CPU, policy=policy)
     assert run.widths[0] > 1 or run.widths[1] > 1, run.widths[:5]
     assert run.tokens_per_pass > 4
+
+
+def test_a_replay_tells_the_policy_what_timing_says_and_nothing_else():
+    # `timing` stands for a noisy machine: the policy hears it for every pass but the first
+    # (which prices the prompt), and a timing that repeats the table is a clean replay.
+    text, prompt_len, _ = _scripted()
+    clean = replay(text, prompt_len, PromptLookupDrafter(), DraftLength.auto(), CPU, policy=AdaptivePolicy(64), utilization=2.0)
+    told = []
+
+    def timing(width):
+        told.append(width)
+        return CPU(width), 2.0
+
+    same = replay(text, prompt_len, PromptLookupDrafter(), DraftLength.auto(), CPU, policy=AdaptivePolicy(64), timing=timing)
+    assert same.widths == clean.widths and same.accepted == clean.accepted
+    assert told == same.widths[1:]
+    # Told that every wide pass stalled (3x, at half the CPU use): the policy hears it and
+    # drafts differently, while the replay still counts the text's own passes.
+    stalled = replay(text, prompt_len, PromptLookupDrafter(), DraftLength.auto(), CPU, policy=AdaptivePolicy(64),
+                     timing=lambda w: (CPU(w) * (3.0 if w > 1 else 1.0), 1.0 if w > 1 else 2.0))  # fmt: skip
+    assert stalled.n_tokens == clean.n_tokens
+    assert stalled.widths != clean.widths

@@ -647,27 +647,37 @@ def send(client: openai.OpenAI, model: str, req: dict):
 
 
 def divergence_gap(model, prompt_ids: list[int], a: str, b: str) -> float:
-    """At the first token where texts a and b part, the single-request logit gap between the two
-    candidates, recomputed one token at a time (inf when the texts cannot be followed)."""
+    """Where texts a and b part, the single-request logit gap between the two candidates,
+    recomputed one token at a time (inf when the texts cannot be followed). Both texts are
+    followed along the best token that fits both; at every step, a token that fits only one of
+    them is a place they may have parted (' ' then '12' against ' I'), and the smallest such
+    gap, up to where no token fits both, is the answer."""
     import numpy as np
 
     a_bytes, b_bytes, pos = a.encode(), b.encode(), 0
     model.reset()
     row = model.eval(prompt_ids, logits="last")[-1].copy()
+    gaps = []
     for _ in range(64):
-        order = np.argsort(-row)[:200]
+        order = [int(t) for t in np.argsort(-row)[:200]]
 
-        def follow(text: bytes):
-            return next((int(t) for t in order if model.piece(int(t)) and text[pos:].startswith(model.piece(int(t)))), None)
+        def fits(text: bytes, t: int) -> bool:
+            piece = model.piece(t)
+            return bool(piece) and text[pos:].startswith(piece)
 
-        ta, tb = follow(a_bytes), follow(b_bytes)
-        if ta is None or tb is None:
-            return float("inf")
-        if ta != tb:
-            return abs(float(row[ta] - row[tb]))
-        pos += len(model.piece(ta))
-        row = model.eval([ta], logits="last")[-1].copy()
-    return float("inf")
+        both = next((t for t in order if fits(a_bytes, t) and fits(b_bytes, t)), None)
+        only_a = next((t for t in order if fits(a_bytes, t) and not fits(b_bytes, t)), None)
+        only_b = next((t for t in order if fits(b_bytes, t) and not fits(a_bytes, t)), None)
+        if only_a is not None and only_b is not None:
+            gaps.append(abs(float(row[only_a] - row[only_b])))
+        for leaving in (only_a, only_b):
+            if both is not None and leaving is not None:
+                gaps.append(abs(float(row[both] - row[leaving])))
+        if both is None:
+            break
+        pos += len(model.piece(both))
+        row = model.eval([both], logits="last")[-1].copy()
+    return min(gaps, default=float("inf"))
 
 
 @pytest.mark.slow

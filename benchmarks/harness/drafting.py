@@ -39,6 +39,11 @@ def add_arguments(ap) -> None:
     ap.add_argument("--rounds", type=int, default=2, help="wall: rounds, interleaved")
     ap.add_argument("--n", type=int, default=4, help="wall: the fixed draft length compared with native's at the same N")
     ap.add_argument("--sweep-noise", type=float, default=0.005, help="sweep: a relative change in a figure that counts")
+    ap.add_argument("--noise", metavar="SIGMA,STALLS[,SEED]",
+                    help="replay, sweep: what the policy is told is noisy, as on a shared machine: each pass's timing "
+                         "times a log-normal factor of this spread, and this share of passes stalled 3x by another "
+                         "process (its CPU use halved), SEED choosing the machine's luck; the figures still charge the table's "
+                         "costs. E.g. 0.15,0.03")
     ap.add_argument("--constant", action="append", default=[], metavar="NAME=VALUE",
                     help="replay: set a policy constant for this run (repeatable), e.g. REACH_MIN=4")
 
@@ -89,10 +94,11 @@ def main(args) -> int:
             conf = {name: conf[name] for name in args.configs.split(",")}
         for setting in args.constant:
             replaying.set_constant(*setting.split("=", 1))
-        results = replaying.run_all(rows, found, tables, conf)
-        if not args.configs and not args.constant:
+        results = replaying.run_all(rows, found, tables, conf, noise=replaying.noise_of(args.noise))
+        if not args.configs and not args.constant and not args.noise:
             write_json(Path(args.out) / args.model / f"replay-{set_name(args)}-{args.split}.json", results)
-        title = f"{args.model} {set_name(args)} ({args.split}{''.join(', ' + c for c in args.constant)})"
+        title = f"{args.model} {set_name(args)} ({args.split}{''.join(', ' + c for c in args.constant)}"
+        title += f", told noise {args.noise})" if args.noise else ")"
         (report.compact if args.configs else report.replay_tables)(results, tables, title)
         return 0
     return wall(args, pair, rows)
@@ -219,7 +225,7 @@ def sweep(args, pair, rows: list[dict]) -> int:
     cats = category_order(r["category"] for r in rows)
 
     def figures() -> dict[tuple, float]:
-        res = replaying.run_all(rows, found, tables, conf, progress=lambda _m: None)
+        res = replaying.run_all(rows, found, tables, conf, progress=lambda _m: None, noise=replaying.noise_of(args.noise))
         out = {}
         for costs in tables:
             for name in conf:
@@ -250,14 +256,24 @@ def sweep(args, pair, rows: list[dict]) -> int:
             got = figures()
             replaying.set_constant(name, repr(value))
             worst = max(base, key=lambda k: abs(got[k] / base[k] - 1))
-            moves[factor] = (got[worst] / base[worst] - 1, worst)
-        big = max((abs(d) for d, _ in moves.values()), default=0.0)
-        results.append({"name": name, "value": value, "moves": {str(f): [d, list(w)] for f, (d, w) in moves.items()}, "largest": big})
-        log(f"{name} = {value}: " + ", ".join(f"x{f}: {d:+.3%} ({' / '.join(w)})" for f, (d, w) in moves.items()))
-    write_json(Path(args.out) / args.model / f"sweep-{set_name(args)}-{args.split}.json", results)
-    rows_out = [[r["name"], r["value"], *[(f"{r['moves'][f][0]:+.2%} ({' / '.join(r['moves'][f][1])})" if f in r["moves"] else "-")
-                                         for f in ("0.5", "2.0")], "rule" if r["largest"] > args.sweep_noise else "no effect"]
+            # (and over all categories: one text that flips between two paths moves a category's
+            # cell, seldom the whole set's)
+            overall = max((k for k in base if k[2] == "all"), key=lambda k: abs(got[k] / base[k] - 1))
+            moves[factor] = (got[worst] / base[worst] - 1, worst, got[overall] / base[overall] - 1, overall)
+        big = max((abs(m[0]) for m in moves.values()), default=0.0)
+        results.append({"name": name, "value": value, "moves": {str(f): [m[0], list(m[1]), m[2], list(m[3])] for f, m in moves.items()},
+                        "largest": big, "largest_overall": max((abs(m[2]) for m in moves.values()), default=0.0)})  # fmt: skip
+        log(f"{name} = {value}: " + ", ".join(f"x{f}: {m[0]:+.3%} ({' / '.join(m[1])}), all {m[2]:+.3%}" for f, m in moves.items()))
+    if not args.noise:
+        write_json(Path(args.out) / args.model / f"sweep-{set_name(args)}-{args.split}.json", results)
+    def cell(r, f, i):
+        m = r["moves"].get(f)
+        return f"{m[i]:+.2%} ({' / '.join(m[i + 1][:2] if i else m[i + 1])})" if m else "-"
+
+    rows_out = [[r["name"], r["value"], cell(r, "0.5", 0), cell(r, "2.0", 0), cell(r, "0.5", 2), cell(r, "2.0", 2),
+                 "rule" if r["largest"] > args.sweep_noise else "no effect"]
                 for r in sorted(results, key=lambda r: -r["largest"])]  # fmt: skip
-    table(["constant", "value", "x0.5: largest change (table / config / category)", "x2", f"over {args.sweep_noise:.1%}?"], rows_out,
-          f"## sweep: {args.model} {set_name(args)} ({args.split}), {len(rows)} texts")
+    title = f"## sweep: {args.model} {set_name(args)} ({args.split}), {len(rows)} texts" + (f", told noise {args.noise}" if args.noise else "")
+    table(["constant", "value", "x0.5: largest change (table / config / category)", "x2", "x0.5: largest overall (table / config)",
+           "x2 overall", f"over {args.sweep_noise:.1%}?"], rows_out, title)  # fmt: skip
     return 0

@@ -68,12 +68,40 @@ def configs(has_trace: bool, lookup_n=(8, 16), draft_n=range(1, 9)) -> dict[str,
     return out
 
 
+def noise_of(spec: str | None) -> tuple[float, float, int] | None:
+    """--noise SIGMA,STALLS[,SEED] as numbers (None: the policy is told the table's costs)."""
+    if not spec:
+        return None
+    sigma, stalls, *seed = spec.split(",")
+    return float(sigma), float(stalls), int(seed[0]) if seed else 0
+
+
+def told(table: Callable[[int], float], noise: tuple[float, float, int], seed: str) -> Callable[[int], tuple[float, float]]:
+    """What a pass is told to have taken on a shared machine: the table's cost times a
+    log-normal factor, and now and then a stall (3x, at half the CPU use of a quiet pass: two
+    threads' worth is 2.0). Seeded by `seed`, so that two policies replayed on one text meet
+    the same machine."""
+    import random
+    import zlib
+
+    sigma, stalls, salt = noise
+    rng = random.Random(zlib.crc32(f"{salt}/{seed}".encode()))
+
+    def timing(width: int) -> tuple[float, float]:
+        factor = rng.lognormvariate(0.0, sigma)
+        return (3 * factor * table(width), 1.0) if rng.random() < stalls else (factor * table(width), 2.0)
+
+    return timing
+
+
 def run_all(rows: list[dict], traces: dict[str, DraftTrace], tables: list[Costs], conf: dict[str, tuple[str, object]],
-            progress: Callable[[str], None] = log) -> list[dict]:  # fmt: skip
+            progress: Callable[[str], None] = log, noise: tuple[float, float, int] | None = None) -> list[dict]:  # fmt: skip
     """Every configuration on every text under every table. Memory holds the texts before
     each one (in the given order), with one MemoryRecord per table, as a server process keeps.
     A configuration named '... warm' starts from what the same configuration saved after the
-    text before (specli run's file between runs: a returning user), others from nothing."""
+    text before (specli run's file between runs: a returning user), others from nothing.
+    With `noise` (sigma, stall share, seed) the policies are told noisy timings (`told`); the
+    figures still charge the table's costs."""
     from specli.decoding.policy import AdaptivePolicy, store
 
     out = []
@@ -110,7 +138,8 @@ def run_all(rows: list[dict], traces: dict[str, DraftTrace], tables: list[Costs]
                     policy = AdaptivePolicy(AUTO.maximum)
                     if name.endswith(" warm") and saved.get((name, costs.label)) is not None:
                         policy.seed(saved[(name, costs.label)])
-                r = replay(text, p, drafter(kind), n_draft, table, policy=policy)
+                timing = told(table, noise, f"{row['id']}/{name}/{costs.label}") if noise is not None else None
+                r = replay(text, p, drafter(kind), n_draft, table, policy=policy, timing=timing)
                 if name.endswith(" warm"):
                     state = policy.saved(1_800_000_000.0 + i)
                     saved[(name, costs.label)] = None if state is None else store.parse(store.dumps(state), now=1_800_000_001.0 + i)

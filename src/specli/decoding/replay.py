@@ -169,6 +169,7 @@ def agreeing(draft: Sequence[int], text: Sequence[int], at: int) -> int:
 def replay(
     text: Sequence[int], prompt_len: int, drafter, n_draft: DraftLength | int | str, costs: Callable[[int], float], *,
     policy: AdaptivePolicy | None = None, end: int | None = None, utilization: float | None = None,
+    timing: Callable[[int], tuple[float, float | None]] | None = None,
 ) -> Replay:  # fmt: skip
     """Replay a generation of text[prompt_len:end] (default: to the end of `text`) with a
     model-free `drafter` (drafters.Drafter: begin/propose/update) at a fixed `n_draft` or
@@ -177,7 +178,9 @@ def replay(
     or one that lived through earlier replays). `costs` is what the policy is told each pass
     took (width -> seconds); `utilization`, the CPU seconds per second it is told each pass
     used (None: not measured; 2.0 is two quiet threads, less says other processes share the
-    cores)."""
+    cores). `timing`, when given, says instead what each pass is told to have taken and the
+    CPU seconds per second it used (width -> (seconds, utilization)): a noisy or contended
+    machine, while the replay's own figures stay the text's."""
     text = list(text)
     end = len(text) if end is None else end
     if not 0 < prompt_len < end <= len(text):
@@ -207,14 +210,15 @@ def replay(
         if draft:
             drafter.update(len(draft), n_acc)
         if policy is not None and step > 0:  # (the first pass's times price the prompt: the engine tells only its verdict)
+            pass_s, used = timing(len(draft) + 1) if timing is not None else (costs(len(draft) + 1), utilization)
             policy.observe(StepReport(
                 source=proposal.source if proposal is not None else None, n_drafted=len(draft), n_accepted=n_acc,
                 confidences=proposal.confidences if proposal is not None else None, draft_s=draft_s,
-                pass_tokens=len(draft) + 1, pass_s=costs(len(draft) + 1),
+                pass_tokens=len(draft) + 1, pass_s=pass_s,
                 token_s=proposal.token_s if proposal is not None else None,
                 first_s=proposal.first_s if proposal is not None else None,
                 context_len=len(context), gap_s=None if step == 1 else 0.0,
-                cpu_s=None if utilization is None else utilization * costs(len(draft) + 1),
+                cpu_s=None if used is None else used * pass_s,
             ))  # fmt: skip
         if step > 0:  # (the first step's drafting is part of the prompt's time, as its pass)
             out.draft_s += draft_s

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from specli.decoding.policy.constants import (
-    COPY_AGREED, COPY_BINS, COPY_FORK, COPY_WEIGHT_MAX, DECAY, PRIOR_ACCEPT, PRIOR_WEIGHT,
-)  # fmt: skip
+from specli.decoding.policy.constants import CEILING_ACCEPT, COPY_BINS, DECAY, PRIOR_ACCEPT, PRIOR_WEIGHT
 
 
 def expected_tokens(accept: Sequence[float]) -> list[float]:
@@ -81,10 +79,9 @@ class PositionalAcceptance:
         self.judged = [j * DECAY + 1 if i < n_judged else j * DECAY for i, j in enumerate(self.judged)]
         self.accepted = [a * DECAY + 1 if i < n_passed else a * DECAY for i, a in enumerate(self.accepted)]
 
-    def fade(self, keep: float) -> None:
-        """Keep only this fraction of the evidence (before a probe: its verdict is news)."""
-        self.judged = [j * keep for j in self.judged]
-        self.accepted = [a * keep for a in self.accepted]
+    def fade(self) -> None:
+        """Old verdicts shrink to a prior's weight (a probe's verdict was news: see `fade`)."""
+        self.judged, self.accepted = fade(self.judged, self.accepted)
 
     def rates(self, n: int) -> list[float]:
         """a_0 .. a_{n-1}: a deeper position leans on the one before it, so refusals are not
@@ -105,14 +102,16 @@ class CopyAcceptance:
     The match is evidence of its own: the text has followed the copied place for m tokens in a
     row, so by the rule of succession the next one follows with (m + 1) / (m + 2), and draft i
     (all before it accepted) with (m + i + 1) / (m + i + 2), counting as m + 2 verdicts (at
-    most COPY_WEIGHT_MAX). Against it weigh the run's own verdicts on drafts copied after
-    matches of about that length: one record per bin of COPY_BINS, recent verdicts counting
-    most. A model that does not follow short matches learns it within a few drafts, while a
+    most half of what a record holds, 1 / (2 (1 - DECAY)), about 16: a record that has seen
+    more outweighs it). Against it weigh the run's own verdicts
+    on drafts copied after matches of about that length: one record per bin of COPY_BINS,
+    recent verdicts counting most. A model that does not follow short matches learns it within a few drafts, while a
     long match still drafts at once whatever short ones did.
 
-    Two earlier places that agree on a token make it likely (COPY_AGREED); where the evidence
-    ends (they differ, or the drafter's own rules stop vouching) the text may fork (COPY_FORK):
-    each has a record of its own per bin too (docs/policy.md, `CopyAcceptance`).
+    Two earlier places that agree on a token make it as likely as any draft is (CEILING_ACCEPT);
+    where the evidence ends (they differ, or the drafter's own rules stop vouching) the text may
+    fork, at even odds: each has a record of its own per bin too (docs/policy.md,
+    `CopyAcceptance`).
     """
 
     def __init__(self, max_positions: int) -> None:
@@ -148,19 +147,19 @@ class CopyAcceptance:
         agreed on by a second earlier place, its evidence ending at token `fork`."""
         b = self.bin(match)
         record = self.records[b]
-        weight = min(match + 2.0, COPY_WEIGHT_MAX)
+        weight = min(match + 2.0, 0.5 / (1 - DECAY))
         out = []
         for i in range(min(n, len(record.judged))):
             prior = (match + i + 1) / (match + i + 2)
             out.append((record.accepted[i] + weight * prior) / (record.judged[i] + weight))
         if agreed:
             judged, accepted = self.agreed[b]
-            sure = (accepted + PRIOR_WEIGHT * COPY_AGREED) / (judged + PRIOR_WEIGHT)
+            sure = (accepted + PRIOR_WEIGHT * CEILING_ACCEPT) / (judged + PRIOR_WEIGHT)
             for i in range(min(agreed, len(out))):
                 out[i] = max(out[i], sure)
         if fork is not None and fork < len(out):
             judged, accepted = self.forks[b]
-            out[fork] = min(out[fork], (accepted + PRIOR_WEIGHT * COPY_FORK) / (judged + PRIOR_WEIGHT))
+            out[fork] = min(out[fork], (accepted + PRIOR_WEIGHT * 0.5) / (judged + PRIOR_WEIGHT))
         return out
 
 
@@ -178,10 +177,9 @@ class ConfidenceCalibration:
         self.accepted = [0.0] * self.BINS
         self.first_seen = [0.0] * self.BINS  # how often the first draft token falls in each bin
 
-    def fade(self, keep: float) -> None:
-        """Keep only this fraction of the verdicts (see PositionalAcceptance.fade)."""
-        self.judged = [j * keep for j in self.judged]
-        self.accepted = [a * keep for a in self.accepted]
+    def fade(self) -> None:
+        """Old verdicts shrink to a prior's weight (see `fade`)."""
+        self.judged, self.accepted = fade(self.judged, self.accepted)
 
     def saw_first(self, confidence: float) -> None:
         """The drafter looked at a first token with this confidence (kept or not)."""
@@ -203,6 +201,14 @@ class ConfidenceCalibration:
     def bin_rate(self, b: int) -> float:
         centre = (b + 0.5) / self.BINS
         return (self.accepted[b] + PRIOR_WEIGHT * centre) / (self.judged[b] + PRIOR_WEIGHT)
+
+
+def fade(judged: Sequence[float], accepted: Sequence[float]) -> tuple[list[float], list[float]]:
+    """A record's verdicts scaled down as a full record (1 / (1 - DECAY) verdicts) would be to a
+    prior's weight (PRIOR_WEIGHT): what is left when a probe's verdict says the text may have
+    changed (docs/policy.md, "A probe against the odds")."""
+    keep = PRIOR_WEIGHT * (1 - DECAY)
+    return [j * keep for j in judged], [a * keep for a in accepted]
 
 
 def gated_rate(first: ConfidenceCalibration, later: Sequence[float], t_draft: float, costs: Sequence[float],

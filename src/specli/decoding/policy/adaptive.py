@@ -28,11 +28,8 @@ from specli.decoding.policy.acceptance import (
     ConfidenceCalibration, CopyAcceptance, PositionalAcceptance, best_length, expected_tokens, gated_rate,
 )  # fmt: skip
 from specli.decoding.policy.constants import (
-    CEILING_ACCEPT, CEILING_RECHECK, CLIP, CONTENDED, COPY_REACH, COST_EMA, FIRST_PASS_SLOWER,
-    PLAIN_CHECK_EVERY_MAX, PLAIN_CHECK_EVERY_MIN, PLAIN_CHECK_MARGIN, PLAIN_CHECK_STEPS,
-    PRIOR_DRAFT_COST, PRIOR_SLOPE, PROBE_BUDGET, RECENT, PROBE_EVERY_MIN, PROBE_FADE,
-    PROBE_LENGTH, PROBE_SURPRISE, REACH_COST, REACH_MIN, SAVED_ACCEPT_WEIGHT,
-    SAVED_CALIBRATION_WEIGHT, SEED_CHECKS, SEED_TRUST, SEED_WATCH, SEED_WEIGHT, WARM_UP_DRAFTS,
+    CEILING_ACCEPT, COPY_REACH, FIRST_LOOK, NOISE, PRIOR_DRAFT_COST, PRIOR_SLOPE, PRIOR_WEIGHT,
+    PROBE_BUDGET, REACH_COST, REACH_MIN, RECENT, RECHECK_EVERY,
 )  # fmt: skip
 from specli.decoding.policy.costs import PassCost, recent_timings, running_time
 from specli.decoding.policy.judge import DraftJudge
@@ -49,13 +46,13 @@ class SourceState:
     t_draft: float | None = None  # seconds per drafted token, running mean
     start_s: float | None = None  # what a step that drafts pays on top of its tokens, running mean
     plain_streak: int = 0  # steps in a row this source was not worth drafting
-    drafting_steps: int = 0  # steps that ran the drafter (counted up to WARM_UP_DRAFTS)
+    drafting_steps: int = 0  # steps that ran the drafter (counted up to FIRST_LOOK)
     probe_s: float | None = None  # what a re-probe step costs beyond a plain step, running mean
     judged_at: int = 0  # the context length at the last decision on drafting
     runs_model: bool = False  # it times its drafts (a draft model, whose passes evict the target's weights)
     reach: int = field(default_factory=lambda: 2 * REACH_MIN)  # drafts reach at most this far (see REACH_MIN)
     recheck_in: int | None = None  # plain steps until a drafter that cannot pay is probed again (None: it can)
-    recheck_every: int = field(default_factory=lambda: CEILING_RECHECK)
+    recheck_every: int = field(default_factory=lambda: RECHECK_EVERY)  # (read at run time: a sweep sets it)
     # This run's own timings of t_draft and start_s, from steps whose pass was not contended:
     # their medians are what is saved.
     t_draft_samples: deque = field(default_factory=recent_timings)
@@ -167,10 +164,9 @@ class AdaptivePolicy(DraftJudge):
         self.draft_gap_s: float | None = None
         self._plain_run = 0  # plain steps in a row, up to the latest (0: the latest drafted)
         # While drafting pays, plain decoding is not timed, and its estimate can go stale: every
-        # so many drafting steps a few plain steps time it again (the counterpart of re-probing
-        # a drafter while decoding plain; docs/policy.md, PLAIN_CHECK_EVERY_MIN).
+        # RECHECK_EVERY drafting steps FIRST_LOOK plain steps time it again (the counterpart of
+        # re-probing a drafter while decoding plain; docs/policy.md, "Plain checks").
         self._since_plain = 0  # drafting steps since plain decoding was last timed
-        self._plain_check_every = PLAIN_CHECK_EVERY_MIN
         self._plain_check_left = 0  # plain steps still to make for a check
         self._previous_draft_s = 0.0  # the drafter's time at the last step (a plain one: limit())
         self._previous_drafter: str | None = None  # the source whose drafter ran at the last step
@@ -188,7 +184,6 @@ class AdaptivePolicy(DraftJudge):
         self._seed_status: str | None = None
         self._seed_ratios: dict[str, list[float]] = {"one": [], "wide": []}
         self._own_passes: list[tuple[int, float, bool, int, float | None, bool]] = []
-        self._sizes_seen: set[int] = set()  # pass sizes this run has made
         self._steps = 0
         self._made = 0.0  # tokens made lately, each step's counting RECENT as much per newer step
         self._made_s = 0.0  # ... and the seconds they took
@@ -201,9 +196,9 @@ class AdaptivePolicy(DraftJudge):
         wide = [n for n in saved.passes if n > 1]
         for cost in (self.pass_cost, model):
             for n in sorted(saved.passes):
-                # The wide sizes share a few passes' weight between them: the run's own passes
-                # outweigh them within a few dozen steps.
-                cost.seed(n, saved.passes[n].seconds, SEED_WEIGHT if n == 1 else 3 * SEED_WEIGHT / len(wide))
+                # The wide sizes share one prior's weight between them: the run's own passes
+                # outweigh them within a few steps.
+                cost.seed(n, saved.passes[n].seconds, PRIOR_WEIGHT if n == 1 else PRIOR_WEIGHT / len(wide))
             cost.context_one.prior, cost.context_wide.prior = saved.context_one, saved.context_wide
         if 1 in saved.passes:
             self.plain_s = saved.passes[1].seconds
@@ -240,7 +235,7 @@ class AdaptivePolicy(DraftJudge):
 
     def _contended(self, utilization: float | None) -> bool:
         usual = self.usual_utilization()
-        return utilization is not None and usual is not None and utilization < CONTENDED * usual
+        return utilization is not None and usual is not None and utilization * NOISE < usual
 
     def saved(self, now: float, key: dict | None = None) -> Saved | None:
         """What is worth keeping for the next run (None: nothing): medians of this run's own
@@ -253,7 +248,7 @@ class AdaptivePolicy(DraftJudge):
             passes.setdefault(n, cost)
         one = passes.get(1)
         if one is not None:
-            passes = {n: c for n, c in passes.items() if c.seconds <= CLIP * n * one.seconds}
+            passes = {n: c for n, c in passes.items() if c.seconds <= NOISE * n * one.seconds}
         out = Saved(passes=passes, key=dict(key or {}), saved_at=now, utilization=usual)
         for name, slope in (("context_one", self.pass_cost.context_one), ("context_wide", self.pass_cost.context_wide)):
             value = slope.slope if slope.learnt else getattr(seed, name, 0.0) if seed is not None else 0.0
@@ -266,8 +261,8 @@ class AdaptivePolicy(DraftJudge):
                 runs_model=st.runs_model or bool(before and before.runs_model),
                 t_draft=_median_cost(st.t_draft_samples or st.t_draft_cold, now, before.t_draft if before else None),
                 start_s=_median_cost(st.start_samples, now, before.start_s if before else None),
-                acceptance=_capped(st.acceptance.judged, st.acceptance.accepted, SAVED_ACCEPT_WEIGHT),
-                calibration=_capped(st.calibration.judged, st.calibration.accepted, SAVED_CALIBRATION_WEIGHT),
+                acceptance=_capped(st.acceptance.judged, st.acceptance.accepted),
+                calibration=_capped(st.calibration.judged, st.calibration.accepted),
                 first_seen=_scaled(st.calibration.first_seen, 10.0),
             )
             if record.t_draft or record.start_s or any(j for j, _ in record.acceptance):
@@ -329,7 +324,7 @@ class AdaptivePolicy(DraftJudge):
             # A new reply, on a shorter context than the one drafting was judged on: passes cost
             # less there, wide ones most (ContextSlope). Judge afresh (free: no probe).
             state.plain_streak = 0
-        if state.plain_streak and (state.plain_streak < PROBE_EVERY_MIN - 1 or not self._probe_affordable(state, context_len)):
+        if state.plain_streak and (state.plain_streak < FIRST_LOOK - 1 or not self._probe_affordable(state, context_len)):
             # Drafting did not pay at the last decision, and acceptance estimates only change
             # when something is drafted: stay plain, at no cost, until a probe is due.
             state.plain_streak += 1
@@ -352,26 +347,25 @@ class AdaptivePolicy(DraftJudge):
                 return 0
             state.recheck_in, state.recheck_every = None, 2 * state.recheck_every
             plan.probe = True
-            return min(PROBE_LENGTH, n_max)
-        state.recheck_in, state.recheck_every = None, CEILING_RECHECK  # (it can pay again: rechecks start over)
+            return min(REACH_MIN, n_max)
+        state.recheck_in, state.recheck_every = None, RECHECK_EVERY  # (it can pay again: rechecks start over)
         gated = None
         if state.t_draft is not None and self._has_confidence(state):
             gated = gated_rate(state.calibration, plan.rates[1:], plan.t_draft, plan.costs, self._start_cost(state))
         if gated is not None:
             # A draft model: whether to look at its first token at all; `keep` gates the rest.
-            k = n_max if gated > 1 / plain or state.drafting_steps < WARM_UP_DRAFTS else 0
+            k = n_max if gated > 1 / plain or state.drafting_steps < FIRST_LOOK else 0
         else:
             k = self._best_length(plan, state, plain)
         if k > 0:
             state.plain_streak = 0  # (the probe interval shrinks back when a draft pays: observe)
             return 0 if self._plain_check_due(gated, k, state, plan, plain) else k
-        self._plain_check_every = PLAIN_CHECK_EVERY_MIN
         state.plain_streak += 1
-        if state.plain_streak >= PROBE_EVERY_MIN and n_max > 0 and self._probe_affordable(state, context_len):
+        if state.plain_streak >= FIRST_LOOK and n_max > 0 and self._probe_affordable(state, context_len):
             # Drafting has not paid lately: try a short draft to see if the text has changed.
             state.plain_streak = 0
             plan.probe = True  # (what its verdict does to the record: observe)
-            return min(PROBE_LENGTH, n_max)
+            return min(REACH_MIN, n_max)
         return 0
 
     def _cannot_pay(self, plan: ProposalPlan, state: SourceState, plain: float) -> bool:
@@ -390,7 +384,7 @@ class AdaptivePolicy(DraftJudge):
         PRIOR_SLOPE for a fresh run's prices)."""
         going = self.going_rate(plain) if plan.match else None
         k = best_length(plan.rates, plan.t_draft, plan.costs.__getitem__, plain, self._start_cost(state), going)
-        unchecked = self._seed_status == "pending" and len(self._seed_ratios["wide"]) < SEED_CHECKS
+        unchecked = self._seed_status == "pending" and len(self._seed_ratios["wide"]) < FIRST_LOOK
         if (not state.acceptance.refused or plan.match and unchecked) and not state.runs_model:
             t1 = plan.costs[1]
             fresh = [0.0] + [t1 * (1 + PRIOR_SLOPE * (n - 1)) for n in range(1, len(plan.rates) + 2)]
@@ -405,11 +399,10 @@ class AdaptivePolicy(DraftJudge):
     def _plain_check_due(self, gated: float | None, k: int, state: SourceState, plan: ProposalPlan, plain: float) -> bool:
         """Whether plain decoding is to be timed again before drafting on (see __init__); if
         so, the check starts with this step."""
-        if self._since_plain < self._plain_check_every or self._plan_rate(gated, k, state, plan) * plain >= PLAIN_CHECK_MARGIN:
+        if self._since_plain < RECHECK_EVERY or self._plan_rate(gated, k, state, plan) * plain >= NOISE:
             return False
         self._since_plain = 0
-        self._plain_check_every = min(self._plain_check_every * 2, PLAIN_CHECK_EVERY_MAX)
-        self._plain_check_left = PLAIN_CHECK_STEPS - 1
+        self._plain_check_left = FIRST_LOOK - 1
         return True
 
     def _limit_copy(self, plan: ProposalPlan, state: SourceState, n_max: int, context_len: int, match: int,
@@ -444,23 +437,24 @@ class AdaptivePolicy(DraftJudge):
         """Whether the probing budget holds what a probe is expected to cost beyond a plain step
         (as the last probes did; before any, as the cost model prices it), or a full budget.
         Saved costs that are still to be confirmed by wide passes get them from probes, at most
-        SEED_CHECKS: costs that the run never checks would otherwise hold it plain for good."""
-        if self._credit is None or self._seed_status == "pending" and len(self._seed_ratios["wide"]) < SEED_CHECKS:
+        FIRST_LOOK: costs that the run never checks would otherwise hold it plain for good."""
+        if self._credit is None or self._seed_status == "pending" and len(self._seed_ratios["wide"]) < FIRST_LOOK:
             return True
         expected = state.probe_s
         if expected is None:
-            costs = self.pass_cost.table(PROBE_LENGTH + 1, context_len)
-            expected = self._start_cost(state) + PROBE_LENGTH * self._t_draft(state) + costs[PROBE_LENGTH + 1] - costs[1]
+            costs = self.pass_cost.table(REACH_MIN + 1, context_len)
+            expected = self._start_cost(state) + REACH_MIN * self._t_draft(state) + costs[REACH_MIN + 1] - costs[1]
         return self._credit >= min(expected, self._credit_cap)
 
     @staticmethod
     def _against_the_odds(chances: Iterable[float]) -> bool:
-        """Whether a probe accepted in full had less than PROBE_SURPRISE, its drafts accepted
-        with these chances: a pair whose drafts are taken half the time passes a 2-token probe
-        one time in four, and that is no news; one whose drafts were all refused passing it is.
-        The chances come from the acceptance record, or from the calibration of the probe's
-        confidences."""
-        return math.prod(chances) < PROBE_SURPRISE
+        """Whether a probe accepted in full had worse than even odds per token, its drafts
+        accepted with these chances: a pair whose drafts are taken 70% of the time passes a
+        2-token probe half the time, and that is no news; one whose drafts were all refused
+        passing it is. The chances come from the acceptance record, or from the calibration of
+        the probe's confidences."""
+        chances = list(chances)
+        return math.prod(chances) < 0.5 ** len(chances)
 
     @staticmethod
     def _has_confidence(state: SourceState) -> bool:
@@ -533,7 +527,7 @@ class AdaptivePolicy(DraftJudge):
         if state is None:
             return
         if ran:
-            state.drafting_steps = min(state.drafting_steps + 1, WARM_UP_DRAFTS)
+            state.drafting_steps = min(state.drafting_steps + 1, FIRST_LOOK)
 
         # A drafter that did not run at the last step runs on caches the target's plain passes
         # have filled, slower than step after step, which is what is weighed against plain
@@ -555,11 +549,11 @@ class AdaptivePolicy(DraftJudge):
             # A probe that goes as the record expects joins it as one more verdict; one taken in
             # full against the odds says the text may have changed: the old verdicts make way.
             # The calibration (a property of the pair) fades only against its own odds.
-            # (docs/policy.md, PROBE_SURPRISE)
+            # (docs/policy.md, "A probe against the odds")
             if self._against_the_odds(state.acceptance.rates(n_drafted)):
-                state.acceptance.fade(PROBE_FADE)
+                state.acceptance.fade()
             if self._against_the_odds(map(state.calibration.rate, confidences or ())):
-                state.calibration.fade(PROBE_FADE)
+                state.calibration.fade()
         elif not probe and self.plain_s is not None and (n_accepted + 1) * self._plain_at(context_len) > draft_s + pass_s + (self.draft_gap_s or 0.0):
             # This draft beat plain decoding: when drafting stops paying, probe again soon.
             self._credit = None
@@ -606,21 +600,20 @@ class AdaptivePolicy(DraftJudge):
     def _check_seed(self, n_tokens: int, seconds: float, cold: bool, context_len: int, utilization: float | None,
                     steady_plain: bool, contended: bool) -> None:  # fmt: skip
         """Compare the run's own passes with what the saved costs predict: the median of the
-        first SEED_CHECKS ratios of each kind outside 1/SEED_TRUST .. SEED_TRUST drops them."""
+        first FIRST_LOOK ratios of each kind outside 1/NOISE .. NOISE drops them (a machine
+        that changed, or saved costs measured under another load)."""
         self._own_passes.append((n_tokens, seconds, cold, context_len, utilization, steady_plain))
-        # The first pass of a size in a process is slow (llama.cpp sizes its buffers for it):
-        # it counts as that much faster.
-        first_of_its_size = n_tokens not in self._sizes_seen
-        self._sizes_seen.add(n_tokens)
+        # (The first pass of a size in a process is slower, llama.cpp sizing its buffers for it:
+        # the median leaves one such pass out.)
         if not cold and not contended:
             ratios = self._seed_ratios["one" if n_tokens == 1 else "wide"]
             predicted = max(self._seed_model.table(n_tokens, context_len)[n_tokens], 1e-12)
-            if len(ratios) < SEED_CHECKS:
-                ratios.append(seconds / predicted / (FIRST_PASS_SLOWER if first_of_its_size else 1.0))
-                if len(ratios) == SEED_CHECKS and not 1 / SEED_TRUST <= statistics.median(ratios) <= SEED_TRUST:
+            if len(ratios) < FIRST_LOOK:
+                ratios.append(seconds / predicted)
+                if len(ratios) == FIRST_LOOK and not 1 / NOISE <= statistics.median(ratios) <= NOISE:
                     self._drop_seed()
                     return
-        if all(len(r) >= SEED_CHECKS for r in self._seed_ratios.values()) or self._steps >= SEED_WATCH:
+        if all(len(r) >= FIRST_LOOK for r in self._seed_ratios.values()) or self._steps >= RECHECK_EVERY:
             self._seed_status, self._own_passes = "confirmed", []
 
     def _drop_seed(self) -> None:
@@ -648,12 +641,12 @@ def _median_cost(samples: Sequence[float], now: float, before: Cost | None) -> C
     return before
 
 
-def _capped(judged: Sequence[float], accepted: Sequence[float], weight: float) -> list[tuple[float, float]]:
-    """[judged, accepted] per position or bin, scaled down to at most `weight` verdicts each:
-    a weak prior for the next run, not a record."""
+def _capped(judged: Sequence[float], accepted: Sequence[float]) -> list[tuple[float, float]]:
+    """[judged, accepted] per position or bin, scaled down to at most PRIOR_WEIGHT verdicts
+    each: a weak prior for the next run, not a record."""
     out = []
     for j, a in zip(judged, accepted):
-        scale = min(1.0, weight / j) if j > 0 else 0.0
+        scale = min(1.0, PRIOR_WEIGHT / j) if j > 0 else 0.0
         out.append((j * scale, a * scale))
     while out and out[-1][0] == 0:
         out.pop()

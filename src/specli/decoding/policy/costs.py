@@ -10,9 +10,7 @@ import math
 import statistics
 from collections import deque
 
-from specli.decoding.policy.constants import (
-    CLIP, CONTENDED, CONTEXT_FORGET, CONTEXT_PRIOR, COST_EMA, PRIOR_SLOPE, RECENT, SEED_WEIGHT,
-)  # fmt: skip
+from specli.decoding.policy.constants import CONTEXT_PRIOR, FIRST_LOOK, NOISE, PRIOR_SLOPE, PRIOR_WEIGHT, RECENT
 
 
 def recent_timings() -> deque:
@@ -22,13 +20,13 @@ def recent_timings() -> deque:
 
 
 def running_time(mean: float | None, seconds: float, weight: float | None = None) -> float:
-    """A running mean of a duration, the newest timing counting `weight` (COST_EMA); a timing
-    counts at most CLIP times the mean (a pass stalled by another process must not steer
-    it for dozens). Symmetric: following faster timings faster than slower ones biased it low
-    (docs/policy.md, `running_time`)."""
+    """A running mean of a duration, the newest timing counting `weight` (1 / FIRST_LOOK: it
+    follows the last few); a timing counts at most NOISE times the mean (a pass stalled by
+    another process must not steer it for dozens). Symmetric: following faster timings faster
+    than slower ones biased it low (docs/policy.md, `running_time`)."""
     if mean is None:
         return seconds
-    return mean + (COST_EMA if weight is None else weight) * (min(seconds, CLIP * mean) - mean)
+    return mean + (1 / FIRST_LOOK if weight is None else weight) * (min(seconds, NOISE * mean) - mean)
 
 
 class ContextSlope:
@@ -38,46 +36,32 @@ class ContextSlope:
     at another wrongly (docs/policy.md, `ContextSlope`).
 
     Estimated from the passes themselves: within each pass size, timing against n L, pooled
-    over sizes (least squares with one intercept per size), recent passes counting most, and
-    leaning to B = 0 until the contexts seen differ enough to tell.
+    over sizes (least squares with one intercept per size), and leaning to the prior (0, or a
+    saved slope) until the contexts seen differ enough to tell. Every pass of the run counts
+    alike: B is the machine's and the model's, not the text's, and a pass stalled by another
+    process is clipped to NOISE times its prediction.
     """
 
     def __init__(self) -> None:
-        self._sizes: dict[int, list[float]] = {}  # per size: [w, w x, w x^2, w t, w x t, clock] (x = n L)
-        self._num = 0.0  # sum over sizes of the centred w x t
-        self._den = 0.0  # sum over sizes of the centred w x^2
-        self._clock = 0  # passes seen
+        self._sizes: dict[int, list[float]] = {}  # per size: [passes, mean x, mean t] (x = n L)
+        self._num = 0.0  # sum over sizes of the centred x t (updated as Welford's, exact where x does not vary)
+        self._den = 0.0  # sum over sizes of the centred x^2
         self.prior = 0.0  # the slope it leans to until contexts differ enough (a saved one, or 0)
-
-    @staticmethod
-    def _centred(sums: list[float]) -> tuple[float, float]:
-        w, wx, wxx, wt, wxt = sums[:5]
-        return (wxt - wx * wt / w, wxx - wx * wx / w) if w > 0 else (0.0, 0.0)
 
     def observe(self, n_tokens: int, seconds: float, context: int) -> None:
         """A pass over n_tokens after `context` tokens took `seconds`."""
         x = float(n_tokens * context)
-        self._clock += 1
-        self._num *= CONTEXT_FORGET
-        self._den *= CONTEXT_FORGET
-        sums = self._sizes.get(n_tokens)
-        if sums is None:
-            sums = self._sizes[n_tokens] = [0.0] * 5 + [self._clock]
-        else:
-            fade = CONTEXT_FORGET ** (self._clock - sums[5])
-            sums[:5] = [v * fade for v in sums[:5]]
-            sums[5] = self._clock
-            num, den = self._centred(sums)
-            self._num -= num
-            self._den -= den
-            if sums[0] >= 3:  # one stalled pass must not tilt the slope for hundreds
-                predicted = sums[3] / sums[0] + self.slope * (x - sums[1] / sums[0])
-                seconds = min(seconds, CLIP * predicted)
-        w, wx, wxx, wt, wxt = sums[:5]
-        sums[:5] = [w + 1, wx + x, wxx + x * x, wt + seconds, wxt + x * seconds]
-        num, den = self._centred(sums)
-        self._num += num
-        self._den += den
+        size = self._sizes.setdefault(n_tokens, [0, 0.0, 0.0])
+        count, mean_x, mean_t = size
+        if count >= 3:  # one stalled pass must not tilt the slope for hundreds
+            seconds = min(seconds, NOISE * (mean_t + self.slope * (x - mean_x)))
+        count += 1
+        dx = x - mean_x
+        mean_x += dx / count
+        mean_t += (seconds - mean_t) / count
+        self._num += dx * (seconds - mean_t)
+        self._den += dx * (x - mean_x)
+        size[:] = [count, mean_x, mean_t]
 
     @property
     def slope(self) -> float:
@@ -125,9 +109,9 @@ class PassCost:
         slowness off as the context's), nor is it saved."""
         assert n_tokens >= 1 and seconds >= 0 and math.isfinite(seconds)
         if 1 in self._mean and n_tokens > 1:
-            # A wide pass is never charged more than CLIP one-token passes per token: what
+            # A wide pass is never charged more than NOISE one-token passes per token: what
             # is above that is a stall, not the pass.
-            seconds = min(seconds, CLIP * n_tokens * (self._mean[1] + self.context_cost(1, context)))
+            seconds = min(seconds, NOISE * n_tokens * (self._mean[1] + self.context_cost(1, context)))
         if not cold:
             self._context_slope(n_tokens).observe(n_tokens, seconds, context)
         seconds = self.at_no_context(n_tokens, seconds, context)
@@ -138,7 +122,7 @@ class PassCost:
             if self._fit[0] >= 3:
                 # One pass stalled by another process must not steer the line for dozens.
                 at_0, slope = self._line()
-                seconds = min(seconds, (1.0 if cold else CLIP) * (at_0 + slope * n_tokens))
+                seconds = min(seconds, (1.0 if cold else NOISE) * (at_0 + slope * n_tokens))
             w, wn, wnn, wt, wnt = (x * RECENT for x in self._fit)
             self._fit = [w + 1, wn + n_tokens, wnn + n_tokens**2, wt + seconds, wnt + n_tokens * seconds]
             self._widest = max(self._widest * RECENT, n_tokens)
@@ -156,8 +140,8 @@ class PassCost:
 
     def seed(self, n_tokens: int, seconds: float, weight: float | None = None) -> None:
         """Start from a saved cost: a pass over n_tokens at no context takes `seconds`, counted as
-        `weight` passes (SEED_WEIGHT: the run's own passes soon outweigh it). Not a sample of this run."""
-        weight = SEED_WEIGHT if weight is None else weight
+        `weight` passes (PRIOR_WEIGHT: the run's own passes soon outweigh it). Not a sample of this run."""
+        weight = PRIOR_WEIGHT if weight is None else weight
         self._mean[n_tokens] = seconds if n_tokens not in self._mean else self._mean[n_tokens]
         if n_tokens >= 2:
             w, wn, wnn, wt, wnt = self._fit
@@ -167,10 +151,10 @@ class PassCost:
 
     def medians(self, usual_utilization: float | None) -> dict[int, tuple[float, int]]:
         """Per size: the median of the recent timings not slowed by other processes (CPU use
-        per second at least CONTENDED times `usual_utilization`), and how many there were."""
+        per second at least 1 / NOISE times `usual_utilization`), and how many there were."""
         out = {}
         for n, kept in self.samples.items():
-            good = [s for s, u in kept if usual_utilization is None or u is None or u >= CONTENDED * usual_utilization]
+            good = [s for s, u in kept if usual_utilization is None or u is None or u * NOISE >= usual_utilization]
             if good:  # (one is enough: the next run checks what it is told)
                 out[n] = (statistics.median(good), len(good))
         return out

@@ -8,10 +8,11 @@ draft model's (partly the pair's) seeds the next run only as a weak prior (a cou
 per draft position), which its first evidence overrides; prompt lookup's is kept for
 `specli cache` to show, and the next run starts from the prior. Nothing about probing is kept.
 
-A file is checked whole before anything in it is used: its size, JSON of bounded depth, every
-field's type and range (finite, positive, within physical bounds), timestamps not in the future,
-and costs that agree with each other (a pass over k tokens costs at most CLIP times k
-one-token passes). Anything else makes the whole file ignored, with a reason (`Rejected`).
+A file is checked whole before anything in it is used: its size, JSON (nested deeper than
+Python's parser goes: refused), every field's type and range (finite, positive, within
+physical bounds), timestamps not in the future, and costs that agree with each other (a pass
+over k tokens costs at most NOISE times k one-token passes). Anything else makes the whole file
+ignored, with a reason (`Rejected`).
 """
 
 from __future__ import annotations
@@ -21,21 +22,19 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from specli.decoding.policy.constants import CLIP, SAVED_ACCEPT_WEIGHT, SAVED_CALIBRATION_WEIGHT
+from specli.decoding.policy.constants import NOISE, PRIOR_WEIGHT
 
 FORMAT = "specli-policy"
 VERSION = 4
 MAX_BYTES = 256 * 1024  # a saved file is a few kB; anything much larger is not ours
-MAX_DEPTH = 8  # JSON nesting of a valid file is 4 levels
-MAX_WIDTH = 65  # pass sizes: up to 64 drafts and the token before them
-MAX_SOURCES = 8
-MAX_POSITIONS = 64
+MAX_SOURCES = 8  # drafters a file may name (specli has three)
+MAX_WIDTH = 65  # pass sizes: up to specli.modes.MAX_DRAFT drafts and the token before them (draft positions: one fewer)
 MAX_AGE_S = 30 * 86400.0  # saved pass costs older than this are dropped (the machine changes)
 FUTURE_SLACK_S = 86400.0  # a timestamp later than now by more than this is damage, not clock skew
+# Any duration in the file (a pass, a draft token, the loop's gap; a context slope's one token
+# of context for one token), and the most CPU seconds per second (threads) a pass may use.
 MIN_PASS_S, MAX_PASS_S = 1e-7, 120.0
-MAX_SLOPE = 1e-3  # seconds per token per token of context: 1 ms would be a 4 s pass at 4k
-MAX_GAP_S = 1.0
-MAX_UTILIZATION = 1024.0  # CPU seconds per second of a pass (threads)
+MAX_UTILIZATION = 1024.0
 
 
 class Rejected(ValueError):
@@ -122,32 +121,6 @@ def dumps(saved: Saved) -> str:
     return json.dumps(to_json(saved), allow_nan=False, sort_keys=True)
 
 
-def _depth(text: str) -> int:
-    """The deepest nesting of brackets in `text` (outside strings), without parsing it: a file
-    of 200,000 '[' must be refused before json's recursion meets it."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > MAX_DEPTH:
-                    return deepest
-        elif ch in "]}":
-            depth -= 1
-    return deepest
-
-
 def _no_constants(name: str):
     raise Rejected(f"it holds {name}, which no measurement is")
 
@@ -200,7 +173,7 @@ def _cost(value, what: str, now: float, low: float, high: float) -> Cost | None:
     return Cost(seconds, samples, _time(value.get("at"), f"{what}.at", now))
 
 
-def _pairs(value, what: str, limit: int, weight: float) -> list[tuple[float, float]]:
+def _pairs(value, what: str, limit: int) -> list[tuple[float, float]]:
     out = []
     for i, pair in enumerate(_list(value, what, limit)):
         pair = _list(pair, f"{what}[{i}]", 2)
@@ -208,8 +181,8 @@ def _pairs(value, what: str, limit: int, weight: float) -> list[tuple[float, flo
             raise Rejected(f"{what}[{i}] is not [judged, accepted]")
         judged = _number(pair[0], f"{what}[{i}] judged", 0.0, 1e6)
         accepted = _number(pair[1], f"{what}[{i}] accepted", 0.0, judged)
-        if judged > weight:  # (a file written by hand with more weight: scaled to the cap)
-            judged, accepted = weight, accepted * weight / judged
+        if judged > PRIOR_WEIGHT:  # (a file written by hand with more weight: scaled to a prior's)
+            judged, accepted = PRIOR_WEIGHT, accepted * PRIOR_WEIGHT / judged
         out.append((judged, accepted))
     return out
 
@@ -219,13 +192,13 @@ def parse(text: str, now: float | None = None) -> Saved:
     now = time.time() if now is None else now
     if len(text) > MAX_BYTES:
         raise Rejected(f"it is {len(text)} bytes, more than {MAX_BYTES}")
-    if _depth(text) > MAX_DEPTH:
-        raise Rejected(f"it is nested more than {MAX_DEPTH} levels deep")
     try:
         data = json.loads(text, parse_constant=_no_constants)
     except Rejected:
         raise
-    except (ValueError, RecursionError) as err:
+    except RecursionError:
+        raise Rejected("it is nested deeper than any saved file is") from None
+    except ValueError as err:
         raise Rejected(f"it is not JSON ({err})") from None
     data = _dict(data, "the file")
     if data.get("format") != FORMAT:
@@ -250,15 +223,15 @@ def parse(text: str, now: float | None = None) -> Saved:
     one = saved.passes.get(1)
     if one is not None:
         for width, cost in saved.passes.items():
-            if cost.seconds > CLIP * width * one.seconds:
+            if cost.seconds > NOISE * width * one.seconds:
                 raise Rejected(
-                    f"a pass over {width} tokens is saved as {cost.seconds:.4g} s, more than {CLIP:g} x {width} one-token "
+                    f"a pass over {width} tokens is saved as {cost.seconds:.4g} s, more than {NOISE:g} x {width} one-token "
                     f"passes ({one.seconds:.4g} s each): measured on a busy machine"
                 )
-    saved.context_one = _number(data.get("context_one", 0.0), "context_one", 0.0, MAX_SLOPE)
-    saved.context_wide = _number(data.get("context_wide", 0.0), "context_wide", 0.0, MAX_SLOPE)
-    saved.plain_gap_s = _optional(data.get("plain_gap_s"), "plain_gap_s", 0.0, MAX_GAP_S)
-    saved.draft_gap_s = _optional(data.get("draft_gap_s"), "draft_gap_s", 0.0, MAX_GAP_S)
+    saved.context_one = _number(data.get("context_one", 0.0), "context_one", 0.0, MAX_PASS_S)
+    saved.context_wide = _number(data.get("context_wide", 0.0), "context_wide", 0.0, MAX_PASS_S)
+    saved.plain_gap_s = _optional(data.get("plain_gap_s"), "plain_gap_s", 0.0, MAX_PASS_S)
+    saved.draft_gap_s = _optional(data.get("draft_gap_s"), "draft_gap_s", 0.0, MAX_PASS_S)
     saved.utilization = _optional(data.get("utilization"), "utilization", 0.01, MAX_UTILIZATION)
     sources = _dict(data.get("sources", {}), "sources")
     if len(sources) > MAX_SOURCES:
@@ -271,8 +244,8 @@ def parse(text: str, now: float | None = None) -> Saved:
             t_draft=_cost(value.get("t_draft"), f"sources.{name}.t_draft", now, 0.0, MAX_PASS_S),
             start_s=_cost(value.get("start_s"), f"sources.{name}.start_s", now, 0.0, MAX_PASS_S),
             runs_model=_flag(value.get("runs_model", False), f"sources.{name}.runs_model"),
-            acceptance=_pairs(value.get("acceptance", []), f"sources.{name}.acceptance", MAX_POSITIONS, SAVED_ACCEPT_WEIGHT),
-            calibration=_pairs(value.get("calibration", []), f"sources.{name}.calibration", 16, SAVED_CALIBRATION_WEIGHT),
+            acceptance=_pairs(value.get("acceptance", []), f"sources.{name}.acceptance", MAX_WIDTH - 1),
+            calibration=_pairs(value.get("calibration", []), f"sources.{name}.calibration", 16),
             first_seen=[
                 _number(v, f"sources.{name}.first_seen", 0.0, 1e6)
                 for v in _list(value.get("first_seen", []), f"sources.{name}.first_seen", 16)
