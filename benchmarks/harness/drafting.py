@@ -223,9 +223,10 @@ def sweep(args, pair, rows: list[dict]) -> int:
     if args.configs:
         conf = {name: conf[name] for name in args.configs.split(",")}
     cats = category_order(r["category"] for r in rows)
+    noise = replaying.noise_of(args.noise)
 
     def figures() -> dict[tuple, float]:
-        res = replaying.run_all(rows, found, tables, conf, progress=lambda _m: None, noise=replaying.noise_of(args.noise))
+        res = replaying.run_all(rows, found, tables, conf, progress=lambda _m: None, noise=noise)
         out = {}
         for costs in tables:
             for name in conf:
@@ -266,6 +267,7 @@ def sweep(args, pair, rows: list[dict]) -> int:
         log(f"{name} = {value}: " + ", ".join(f"x{f}: {m[0]:+.3%} ({' / '.join(m[1])}), all {m[2]:+.3%}" for f, m in moves.items()))
     if not args.noise:
         write_json(Path(args.out) / args.model / f"sweep-{set_name(args)}-{args.split}.json", results)
+
     def cell(r, f, i):
         m = r["moves"].get(f)
         return f"{m[i]:+.2%} ({' / '.join(m[i + 1][:2] if i else m[i + 1])})" if m else "-"

@@ -31,7 +31,7 @@ from specli.decoding.policy.constants import (
     CEILING_ACCEPT, COPY_REACH, FIRST_LOOK, NOISE, PRIOR_DRAFT_COST, PRIOR_SLOPE, PRIOR_WEIGHT,
     PROBE_BUDGET, REACH_COST, REACH_MIN, RECENT, RECHECK_EVERY,
 )  # fmt: skip
-from specli.decoding.policy.costs import PassCost, recent_timings, running_time
+from specli.decoding.policy.costs import PassCost, contended, recent_timings, running_time
 from specli.decoding.policy.judge import DraftJudge
 from specli.decoding.policy.store import Cost, Saved, SourceRecord
 
@@ -234,8 +234,11 @@ class AdaptivePolicy(DraftJudge):
         return max(figures) if figures else None
 
     def _contended(self, utilization: float | None) -> bool:
-        usual = self.usual_utilization()
-        return utilization is not None and usual is not None and utilization * NOISE < usual
+        return contended(utilization, self.usual_utilization())
+
+    def _wide_seed_unchecked(self) -> bool:
+        """Whether saved costs still wait for the run's own wide passes to confirm them."""
+        return self._seed_status == "pending" and len(self._seed_ratios["wide"]) < FIRST_LOOK
 
     def saved(self, now: float, key: dict | None = None) -> Saved | None:
         """What is worth keeping for the next run (None: nothing): medians of this run's own
@@ -384,7 +387,7 @@ class AdaptivePolicy(DraftJudge):
         PRIOR_SLOPE for a fresh run's prices)."""
         going = self.going_rate(plain) if plan.match else None
         k = best_length(plan.rates, plan.t_draft, plan.costs.__getitem__, plain, self._start_cost(state), going)
-        unchecked = self._seed_status == "pending" and len(self._seed_ratios["wide"]) < FIRST_LOOK
+        unchecked = self._wide_seed_unchecked()
         if (not state.acceptance.refused or plan.match and unchecked) and not state.runs_model:
             t1 = plan.costs[1]
             fresh = [0.0] + [t1 * (1 + PRIOR_SLOPE * (n - 1)) for n in range(1, len(plan.rates) + 2)]
@@ -438,7 +441,7 @@ class AdaptivePolicy(DraftJudge):
         (as the last probes did; before any, as the cost model prices it), or a full budget.
         Saved costs that are still to be confirmed by wide passes get them from probes, at most
         FIRST_LOOK: costs that the run never checks would otherwise hold it plain for good."""
-        if self._credit is None or self._seed_status == "pending" and len(self._seed_ratios["wide"]) < FIRST_LOOK:
+        if self._credit is None or self._wide_seed_unchecked():
             return True
         expected = state.probe_s
         if expected is None:

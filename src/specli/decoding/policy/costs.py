@@ -19,6 +19,12 @@ def recent_timings() -> deque:
     return deque(maxlen=round(1 / (1 - RECENT)))
 
 
+def contended(utilization: float | None, usual: float | None) -> bool:
+    """Whether a pass that used `utilization` CPU seconds per second was slowed by other
+    processes: it used less than 1 / NOISE of the usual (unknown either way: not contended)."""
+    return utilization is not None and usual is not None and utilization * NOISE < usual
+
+
 def running_time(mean: float | None, seconds: float, weight: float | None = None) -> float:
     """A running mean of a duration, the newest timing counting `weight` (1 / FIRST_LOOK: it
     follows the last few); a timing counts at most NOISE times the mean (a pass stalled by
@@ -154,7 +160,7 @@ class PassCost:
         per second at least 1 / NOISE times `usual_utilization`), and how many there were."""
         out = {}
         for n, kept in self.samples.items():
-            good = [s for s, u in kept if usual_utilization is None or u is None or u * NOISE >= usual_utilization]
+            good = [s for s, u in kept if not contended(u, usual_utilization)]
             if good:  # (one is enough: the next run checks what it is told)
                 out[n] = (statistics.median(good), len(good))
         return out
