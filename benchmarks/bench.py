@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="entry", required=True, metavar="ENTRY")
     for name, module in ENTRY_POINTS.items():
         module.add_arguments(sub.add_parser(name, help=module.__doc__.split("\n")[0], description=module.__doc__,
-                                            formatter_class=argparse.RawDescriptionHelpFormatter))  # fmt: skip
+                                            formatter_class=argparse.RawDescriptionHelpFormatter))
     args = ap.parse_args(argv)
     return ENTRY_POINTS[args.entry].main(args) or 0
 

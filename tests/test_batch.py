@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURE_CTX
-from specli.session import batch
-from specli.decoding.engine import DecoderPool, SharedPassCost
-from specli.decoding.parallel import ItemDone, ParallelRunner, run_sequential
-from specli.decoding.drafters import make_drafter
-from specli.llama.model import LlamaModel
-from specli.decoding.sampling import GREEDY, SamplingParams
 from fixtures.cli import GREEDY_ARGS, ONE, PROMPTS, assert_one_line_error, popen, read_records, specli, write_jsonl
+from specli.decoding.drafters import make_drafter
+from specli.decoding.loop import DecoderPool
+from specli.decoding.parallel import ItemDone, ParallelRunner, run_sequential
+from specli.decoding.policy.costs import SharedPassCost
+from specli.decoding.sampling import GREEDY, SamplingParams
+from specli.llama.model import LlamaModel
+from specli.session import batch
 
 
 def run_json(target: str, prompt: str, *args: str) -> dict:
@@ -44,7 +45,7 @@ def test_good_and_bad_lines_in_order_with_run_equal_content(tmp_path, pair_pertu
         {"id": "too-long", "prompt": long_prompt},
         {"id": 99, "prompt": PROMPTS[2], "top_k": "many"},
         {"id": "last", "prompt": PROMPTS[3]},
-    ])  # fmt: skip
+    ])
     out = tmp_path / "out.jsonl"
     # A fixed draft length: with auto the drafting decisions follow timings, so passes could differ.
     result = specli("batch", str(src), "-o", str(out), "-m", target, "--lookup", "--draft-max", "4", "--max-tokens", "24", *GREEDY_ARGS)
@@ -107,7 +108,7 @@ def test_item_sampling_fields_override_the_command_line(tmp_path, pair_perturbed
     src = write_jsonl(tmp_path / "in.jsonl", [
         {"id": "hot", "prompt": PROMPTS[0], "temperature": 1.3, "seed": 7, "top_k": 0},
         {"id": "cli", "prompt": PROMPTS[0]},
-    ])  # fmt: skip
+    ])
     # A fixed draft length: with auto a seed replays the distribution, not the text (README).
     result = specli("batch", str(src), "-m", target, "-d", draft, "--draft-max", "4", "--max-tokens", "20", "--temperature", "0.9", "--seed", "3", "-q", *ONE)
     assert result.returncode == 0 and result.stderr == "", result.stderr
@@ -292,7 +293,7 @@ def generate(events) -> dict:
     # Sampled runs with a fixed N only: with auto the draft lengths follow timings, and the
     # random draws follow the draft lengths (README).
     (SamplingParams(temperature=0.9, seed=11), 5),
-], ids=["greedy", "greedy-auto", "sampled"])  # fmt: skip
+], ids=["greedy", "greedy-auto", "sampled"])
 def test_parallel_equals_sequential_token_for_token(pair_perturbed, drafting, sampling, n_draft):
     """F32 weights, F32 cache, flash attention off: the numerics under which a multi-sequence
     pass gives the logits of a single-sequence one (~1e-5), so every item must match exactly."""
@@ -323,7 +324,7 @@ def test_parallel_with_a_draft_model_equals_sequential(pair_perturbed, n_draft, 
         mode = "hybrid" if hybrid else "draft-model"
         reference = generate(run_sequential(DecoderPool(model, make_drafter(mode, model_dft), n_draft), items))
         runner = ParallelRunner(model, mode, n_draft, 2, n_threads=1, kv_type="f32", flash_attn="off", model_dft=model_dft,
-                                release_models=True)  # fmt: skip
+                                release_models=True)
         assert model._ctx is None and model_dft._ctx is None
         drafted = 0
         try:
@@ -388,19 +389,19 @@ def test_parallel_runs_several_sequences_per_pass_and_fills_free_slots(pair_pert
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
 def test_both_loops_tell_the_policy_the_same_facts(pair_perturbed, monkeypatch, parallel):
-    """Both loops take engine.py's one step per sequence: with -n auto the policy hears of
+    """Both loops take step.py's one step per sequence: with -n auto the policy hears of
     every step with the CPU time of its pass and, from a generation's third step on, the gap
     since the previous one (the lockstep loop once left both out)."""
-    from specli.decoding import engine
+    from specli.decoding import step
 
     calls = []
-    observe = engine.AdaptivePolicy.observe
+    observe = step.AdaptivePolicy.observe
 
     def spy(self, step):
         calls.append(step)
         return observe(self, step)
 
-    monkeypatch.setattr(engine.AdaptivePolicy, "observe", spy)
+    monkeypatch.setattr(step.AdaptivePolicy, "observe", spy)
     model = load(pair_perturbed[0])
     items = engine_items(PROMPTS[:3], max_tokens=(12,))
     try:

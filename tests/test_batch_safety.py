@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from specli.session import batch
-from specli.decoding.sampling import GREEDY
 from fixtures.cli import GREEDY_ARGS, PROMPTS, assert_one_line_error, popen, read_records, specli, write_jsonl
+from specli.decoding.sampling import GREEDY
+from specli.session import batch
 
 COMMON = ["--target-only", "--max-tokens", "6", *GREEDY_ARGS]
 RECORD = {"id": 1, "line": 1, "text": "a", "token_ids": [5], "n_tokens": 1, "stop_reason": "length", "stats": {}}
@@ -44,7 +44,7 @@ NOT_OUTPUTS = {
     "record-then-a-note": (json.dumps(RECORD) + "\nmy note\n" + json.dumps({**RECORD, "id": 2, "line": 2}) + "\n").encode(),
     "record-then-json-without-newline": (json.dumps(RECORD) + '\n{"note": 1}').encode(),
     "not-utf8": b"\xff\xfe binary \x00 data\n",
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("content", NOT_OUTPUTS.values(), ids=NOT_OUTPUTS.keys())

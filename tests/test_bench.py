@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from specli.session import bench, costs
 from specli.errors import UsageError
 from specli.modes import DraftLength
+from specli.session import bench, costs
 
 N, OFF, AUTO = DraftLength.fixed_at, DraftLength.off(), DraftLength.auto()
 
@@ -87,7 +87,7 @@ def record(scenario, n, tps, *, tokens=10, drafted=0, accepted=0, rejections=0, 
         "scenario": scenario, "n_draft": n, "tokens_per_s": tps, "n_tokens": tokens, "drafted": drafted,
         "accepted": accepted, "rejections": rejections, "target_passes": passes, "draft_s": draft_s,
         "verify_s": verify_s,
-    }  # fmt: skip
+    }
 
 
 def test_aggregate_takes_medians_and_pools_ratios():
@@ -117,7 +117,7 @@ def test_a_speedup_compares_each_run_with_its_target_only_twin():
         {**record("a", 0, 100.0), "prompt": "p", "round": 0}, {**record("a", 2, 120.0), "prompt": "p", "round": 0},
         {**record("a", 0, 50.0), "prompt": "p", "round": 1}, {**record("a", 2, 60.0), "prompt": "p", "round": 1},
         {**record("a", 0, 110.0), "prompt": "q", "round": 0}, {**record("a", 2, 132.0), "prompt": "q", "round": 0},
-    ]  # fmt: skip
+    ]
     base, spec = bench.aggregate(records)
     assert base.speedup == 1.0 and spec.tokens_per_s == 120.0
     assert spec.speedup == pytest.approx(1.2)
@@ -137,7 +137,7 @@ def test_best_n_per_scenario_and_overall():
     rows = [
         row("a", 0, 1.0), row("a", 2, 1.5), row("a", 5, 2.0),
         row("b", 0, 1.0), row("b", 2, 1.2), row("b", 5, 0.8),
-    ]  # fmt: skip
+    ]
     best = bench.best_per_scenario(rows)
     assert best["a"].n == 5 and best["b"].n == 2
     n, gmean = bench.best_overall(rows)
@@ -146,7 +146,7 @@ def test_best_n_per_scenario_and_overall():
 
 def test_auto_sorts_after_target_only_and_is_compared_with_the_best_fixed_n():
     records = [record("a", 5, 150.0, drafted=20, accepted=10, passes=10), record("a", "auto", 190.0, drafted=30,
-               accepted=25, passes=10), record("a", 0, 100.0), record("a", 2, 200.0, drafted=8, passes=10)]  # fmt: skip
+               accepted=25, passes=10), record("a", 0, 100.0), record("a", 2, 200.0, drafted=8, passes=10)]
     rows = bench.aggregate(records)
     assert [r.n for r in rows] == [0, "auto", 2, 5]
     auto = rows[1]
@@ -161,7 +161,7 @@ def test_each_configuration_is_held_against_the_best_fixed_n_of_its_worst_scenar
     rows = [
         row("a", 0, 1.0), row("a", "auto", 1.8), row("a", 2, 1.5), row("a", 5, 2.0),
         row("b", 0, 1.0), row("b", "auto", 1.1), row("b", 2, 1.2), row("b", 5, 0.8),
-    ]  # fmt: skip
+    ]
     worst = bench.worst_against_best(rows)
     assert worst == pytest.approx({"auto": 0.9, 2: 0.75, 5: 0.8 / 1.2})
 
@@ -307,7 +307,7 @@ def test_the_conclusion_says_whether_drafting_can_pay():
     assert gpu.startswith("Wide passes are nearly free here (16 tokens cost 1.10x one): with this draft model drafting can gain at most")
     assert "cannot" not in costs.conclusion(costs.PassCosts(QWEN_T, None))  # lookup only: no draft model to judge
     assert ("can gain at most 1.10x (N=15) if every draft is accepted, and breaks even from a per-token acceptance of "
-            "0.99, which a draft model rarely keeps up") in costs.conclusion(costs.PassCosts(QWEN_T, QWEN_TD))  # fmt: skip
+            "0.99, which a draft model rarely keeps up") in costs.conclusion(costs.PassCosts(QWEN_T, QWEN_TD))
 
 
 def test_the_costs_json_object():
@@ -428,7 +428,7 @@ def test_builtin_prompts_cover_the_scenarios():
     scenarios = {p.scenario for p in bench.BUILTIN_PROMPTS}
     assert scenarios == {
         "long-form", "short-chat", "code-generation", "code-editing", "summarization", "creative-writing", "non-english",
-    }  # fmt: skip
+    }
     assert len({p.name for p in bench.BUILTIN_PROMPTS}) == len(bench.BUILTIN_PROMPTS)
     long_form = next(p for p in bench.BUILTIN_PROMPTS if p.scenario == "long-form")
     chat = next(p for p in bench.BUILTIN_PROMPTS if p.scenario == "short-chat")
@@ -442,7 +442,7 @@ def test_plain_prompt_file_is_one_prompt_per_line(tmp_path):
     prompts = bench.parse_prompt_file(path)
     assert [(p.name, p.scenario, p.text) for p in prompts] == [
         ("line-1", "custom", "first prompt"), ("line-4", "custom", "second {not json}"),
-    ]  # fmt: skip
+    ]
 
 
 def test_jsonl_prompt_file(tmp_path):
@@ -491,12 +491,12 @@ def test_bench_command_runs_every_configuration(pair_perturbed, tmp_path):
     prompts.write_text(
         '{"prompt": "Once upon a time", "name": "story", "scenario": "creative"}\n'
         '{"prompt": "def main():", "name": "code"}\n', encoding="utf-8",
-    )  # fmt: skip
+    )
     out_json, out_csv = tmp_path / "out.json", tmp_path / "out.csv"
     result = specli(
         "bench", "-m", target, "-d", draft, "--draft-max", "1,3", "--max-tokens", "8", "--repeat", "1",
         "--prompts", str(prompts), "--json", str(out_json), "--csv", str(out_csv),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads(out_json.read_text(encoding="utf-8"))
     assert set(doc) == {"settings", "runs", "summary", "held_out_best", "costs"}
@@ -509,7 +509,7 @@ def test_bench_command_runs_every_configuration(pair_perturbed, tmp_path):
     runs = doc["runs"]
     assert sorted((r["prompt"], r["n_draft"]) for r in runs) == [
         ("code", 0), ("code", 1), ("code", 3), ("story", 0), ("story", 1), ("story", 3),
-    ]  # fmt: skip
+    ]
     for r in runs:
         assert set(bench.RECORD_FIELDS) <= set(r)
         assert 1 <= r["n_tokens"] <= 8 and r["stop_reason"] in {"eos", "max_tokens"}
@@ -517,7 +517,7 @@ def test_bench_command_runs_every_configuration(pair_perturbed, tmp_path):
         assert r["drafter"] == (None if r["n_draft"] == 0 else "draft-model")
     assert sorted((s["scenario"], s["n"]) for s in doc["summary"]) == [
         ("creative", 0), ("creative", 1), ("creative", 3), ("custom", 0), ("custom", 1), ("custom", 3),
-    ]  # fmt: skip
+    ]
     with out_csv.open(encoding="utf-8", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == len(runs) and tuple(rows[0]) == bench.RECORD_FIELDS

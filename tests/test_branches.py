@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURE_CTX
-from specli.decoding.branches import TokenTree, choose_branches, distinct_branches, maximal, node_chances, verify_tree
+from specli.decoding.branches import TokenTree, choose_branches, distinct_branches, maximal, node_chances
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
 from specli.decoding.replay import CostTable
+from specli.decoding.verifier import verify_tree
 from specli.llama.model import LlamaModel, tree_sequences
 from specli.llama.native import init_backend
 
@@ -70,9 +73,9 @@ def test_verify_tree_takes_the_longest_accepted_branch():
     # root predicts 1; node 1 predicts 3; node 3 predicts 4; node 4 predicts 6
     rows = [row(1), row(3), row(0), row(4), row(6), row(0)]
     got = verify_tree(rows, tree)
-    assert got.branch == 1 and got.verdict.n_accepted == 3 and got.verdict.tokens == [1, 3, 4, 6]
+    assert got.branch == 1 and got.n_accepted == 3 and got.tokens == [1, 3, 4, 6]
     got = verify_tree([row(7)] + rows[1:], tree)  # nothing accepted: the root's own choice
-    assert got.verdict.n_accepted == 0 and got.verdict.tokens == [7]
+    assert got.n_accepted == 0 and got.tokens == [7]
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,17 +200,17 @@ def misleading_memory(prompt: list[int], output: list[int], seed: int):
 
 @pytest.mark.parametrize("n_draft", [4, 8, "auto"])
 def test_greedy_output_with_branches_is_the_target_only_output(models, n_draft):
-    from specli.decoding.engine import SpeculativeDecoder
     from specli.decoding.memory_drafter import MemoryDrafter
+    from specli.decoding.step import SpeculativeDecoder
 
     model, plain = models
     trees = passes_tree = passes_chain = 0
     for i, prompt in enumerate(PROMPTS):
         ids = plain.tokenize(prompt)
         plain.reset()
-        reference = SpeculativeDecoder(plain, None, 0).generate(ids, max_tokens=MAX_TOKENS).run().token_ids
+        reference = generate(SpeculativeDecoder(plain, None, 0), Request(ids, max_tokens=MAX_TOKENS)).run().token_ids
         model.reset()
-        assert SpeculativeDecoder(model, None, 0).generate(ids, max_tokens=MAX_TOKENS).run().token_ids == reference
+        assert generate(SpeculativeDecoder(model, None, 0), Request(ids, max_tokens=MAX_TOKENS)).run().token_ids == reference
         memory = misleading_memory(ids, reference, seed=i)
         model.reset()
         decoder = SpeculativeDecoder(model, MemoryDrafter(memory), n_draft)
@@ -216,14 +219,14 @@ def test_greedy_output_with_branches_is_the_target_only_output(models, n_draft):
             for _ in range(40):
                 decoder.policy.pass_cost.observe(1, 0.01)
                 decoder.policy.pass_cost.observe(17, 0.011)
-        gen = decoder.generate(ids, max_tokens=MAX_TOKENS)
+        gen = generate(decoder, Request(ids, max_tokens=MAX_TOKENS))
         for step in gen:
             trees += step.n_branches > 1
         assert gen.token_ids == reference, (prompt, n_draft)
         passes_tree += gen.stats.target_passes
         plain.reset()  # (the same drafting without room for branches: the draft alone)
         chain = SpeculativeDecoder(plain, MemoryDrafter(misleading_memory(ids, reference, seed=i)), n_draft)
-        chain_gen = chain.generate(ids, max_tokens=MAX_TOKENS).run()
+        chain_gen = generate(chain, Request(ids, max_tokens=MAX_TOKENS)).run()
         assert chain_gen.token_ids == reference
         passes_chain += chain_gen.stats.target_passes
         assert model.cached == ids + reference[:-1] or gen.stop_reason != "max_tokens"
@@ -237,15 +240,15 @@ def test_verbose_shows_each_tree_pass(models):
     import io
 
     from specli.cli.render import stream_generation
-    from specli.decoding.engine import SpeculativeDecoder
     from specli.decoding.memory_drafter import MemoryDrafter
+    from specli.decoding.step import SpeculativeDecoder
 
     model, plain = models
     ids = plain.tokenize(PROMPTS[0])
     plain.reset()
-    reference = SpeculativeDecoder(plain, None, 0).generate(ids, max_tokens=MAX_TOKENS).run().token_ids
+    reference = generate(SpeculativeDecoder(plain, None, 0), Request(ids, max_tokens=MAX_TOKENS)).run().token_ids
     model.reset()
-    gen = SpeculativeDecoder(model, MemoryDrafter(misleading_memory(ids, reference, seed=0)), 4).generate(ids, max_tokens=MAX_TOKENS)
+    gen = generate(SpeculativeDecoder(model, MemoryDrafter(misleading_memory(ids, reference, seed=0)), 4), Request(ids, max_tokens=MAX_TOKENS))
     trace = io.StringIO()
     stream_generation(gen, io.StringIO(), io.StringIO(), show_text=False, live=False, show_accept=False, with_drafting=True, trace=trace)
     *lines, last = trace.getvalue().splitlines()
@@ -270,7 +273,7 @@ def test_branches_with_several_sequences_is_a_one_line_usage_error(tmp_path, pai
 
     where = [str(write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}]))] if command == "batch" else ["--port", "0"]
     result = specli(command, *where, "-m", str(pair_perturbed[0]), "--lookup", "--memory", "process", "--branches", "2",
-                    "--parallel", "2", *GREEDY_ARGS)  # fmt: skip
+                    "--parallel", "2", *GREEDY_ARGS)
     assert_one_line_error(result, 2, "--branches 2", "--parallel 1")
 
 
@@ -289,23 +292,24 @@ def test_run_with_branches_gives_the_target_only_tokens(pair_perturbed):
 
 
 def test_greedy_with_a_repeat_penalty_and_branches_is_exact(models):
-    from specli.decoding.engine import SpeculativeDecoder
     from specli.decoding.memory_drafter import MemoryDrafter
     from specli.decoding.sampling import SamplingParams
+    from specli.decoding.step import SpeculativeDecoder
 
     model, plain = models
     penalized = SamplingParams(temperature=0.0, repeat_penalty=1.5, repeat_last_n=64)
     ids = plain.tokenize(PROMPTS[1])
     plain.reset()
-    reference = SpeculativeDecoder(plain, None, 0, penalized).generate(ids, max_tokens=MAX_TOKENS).run().token_ids
+    reference = generate(SpeculativeDecoder(plain, None, 0, penalized), Request(ids, max_tokens=MAX_TOKENS)).run().token_ids
     model.reset()
-    gen = SpeculativeDecoder(model, MemoryDrafter(misleading_memory(ids, reference, seed=2)), 4, penalized).generate(ids, max_tokens=MAX_TOKENS)
+    gen = generate(SpeculativeDecoder(model, MemoryDrafter(misleading_memory(ids, reference, seed=2)), 4, penalized), Request(ids, max_tokens=MAX_TOKENS))
     trees = sum(step.n_branches > 1 for step in gen)
     assert gen.token_ids == reference and trees
 
 
 def test_batch_with_branches_gives_the_tokens_of_batch_without(tmp_path, pair_perturbed):
-    from fixtures.cli import GREEDY_ARGS, PROMPTS as CLI_PROMPTS, read_records, specli, write_jsonl
+    from fixtures.cli import GREEDY_ARGS, read_records, specli, write_jsonl
+    from fixtures.cli import PROMPTS as CLI_PROMPTS
 
     repeated = [CLI_PROMPTS[0], CLI_PROMPTS[1], CLI_PROMPTS[0], CLI_PROMPTS[1]]
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(repeated)])
@@ -329,7 +333,7 @@ def test_tree_pass_on_gemma_with_default_numerics(gemma_path):
     try:
         prompt = model.tokenize("def mean(xs):\n    return sum(xs) / len(xs)\n\n# With type hints:\ndef mean(")
         branches = [model.tokenize("xs: list[float]) -> float:", add_bos=False), model.tokenize("values)", add_bos=False),
-                    model.tokenize("xs: list[int])", add_bos=False)]  # fmt: skip
+                    model.tokenize("xs: list[int])", add_bos=False)]
         tree = TokenTree.of(branches)
         model.eval(prompt[:-1], logits="none")
         rows = model.eval_tree(*tree_pass(prompt[-1], tree)).copy()

@@ -157,7 +157,7 @@ def test_memory_stays_flat_over_200_turns(pair_perturbed):
 
     def rss_kb(field: str) -> int:
         with open(f"/proc/{proc.pid}/status") as status:
-            return next(int(l.split()[1]) for l in status if l.startswith(field + ":"))
+            return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
     try:
         wait_for_turns(20)
@@ -226,7 +226,7 @@ class Pty:
                 try:
                     self.buf += os.read(self.fd, 4096)
                 except OSError:  # the child closed the terminal
-                    raise AssertionError((needle, bytes(self.buf[-400:])))
+                    raise AssertionError((needle, bytes(self.buf[-400:]))) from None
         self.pos = found + len(needle)
 
 

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from fixtures import synthetic
+from fixtures.cli import assert_one_line_error, specli
 from specli.decoding.sampling import GREEDY
 from specli.llama.templates import JinjaTemplate, TemplateRenderError
 from specli.session import batch
-from fixtures.cli import assert_one_line_error, specli
 
 # A template of our own: "[role] content" lines after BOS, then the assistant's opening. It
 # refuses a message "boom" (raise_exception), as real templates refuse e.g. a misplaced role.

@@ -353,7 +353,7 @@ def test_a_background_job_ignores_ctrl_c_and_still_ends_on_sigterm(gemma_path):
         [sys.executable, "-m", "specli", "run", "Write a very long story about a dragon.", "--max-tokens", "4000",
          "--target-only", "--temp", "0", *ONE],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ignore_sigint,
-    ) as proc:  # fmt: skip
+    ) as proc:
         out = proc.stdout.fileno()
         try:
             text = read_up_to(out, 20)  # streaming: specli's own handlers are in place

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from specli.cli.options import OPTION_NAMES, Memory, Sampling, error_message, flatten
+from specli.cli.options import OPTION_NAMES, Placement, Sampling, error_message, flatten
 from specli.decoding.sampling import SamplingParams
 from specli.errors import SettingError
 
@@ -16,17 +16,17 @@ def test_flatten_lays_out_the_groups_and_hands_one_object_each():
     seen = {}
 
     @flatten
-    def command(*, memory: Memory, quiet: bool = False, sampling: Sampling = Sampling(temperature=0.0)) -> int:
-        seen.update(memory=memory, quiet=quiet, sampling=sampling)
+    def command(*, placement: Placement, quiet: bool = False, sampling: Sampling = Sampling(temperature=0.0)) -> int:
+        seen.update(placement=placement, quiet=quiet, sampling=sampling)
         return 7
 
     params = inspect.signature(command).parameters
-    fields = [f.name for f in dataclasses.fields(Memory)] + ["quiet"] + [f.name for f in dataclasses.fields(Sampling)]
+    fields = [f.name for f in dataclasses.fields(Placement)] + ["quiet"] + [f.name for f in dataclasses.fields(Sampling)]
     assert list(params) == fields  # each group's fields in the group's place
     assert params["temperature"].default == 0.0 and params["top_k"].default == SamplingParams().top_k
-    assert params["n_ctx"].default == Memory().n_ctx
+    assert params["n_ctx"].default == Placement().n_ctx
     assert command(**{name: p.default for name, p in params.items()} | {"n_ctx": 512}) == 7
-    assert seen == {"memory": Memory(n_ctx=512), "quiet": False, "sampling": Sampling(temperature=0.0)}
+    assert seen == {"placement": Placement(n_ctx=512), "quiet": False, "sampling": Sampling(temperature=0.0)}
 
 
 def test_a_refused_setting_names_the_field_and_the_cli_says_the_option():
@@ -43,6 +43,6 @@ def test_every_setting_the_core_names_has_an_option_of_run():
 
     run = get_command(app).commands["run"]
     options = {name for param in run.params for name in param.opts}
-    settings = {f.name for f in dataclasses.fields(SamplingParams)} | {"n_draft", "n_ctx", "max_tokens"}
+    settings = {f.name for f in dataclasses.fields(SamplingParams)} | {"draft_length", "n_ctx", "max_tokens"}
     assert settings <= OPTION_NAMES.keys()
     assert set(OPTION_NAMES.values()) <= options

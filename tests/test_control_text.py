@@ -9,9 +9,10 @@ import pytest
 
 from specli.decoding.sampling import SamplingParams
 from specli.errors import UsageError
+from specli.llama.conversation import encode, encode_conversation
 from specli.llama.model import LlamaModel
 from specli.llama.templates import JinjaTemplate
-from specli.session.chat import PLAIN, Formatter, encode, encode_conversation
+from specli.session.chat import PLAIN, Formatter
 
 # Gemma's own template, in short: the system prompt goes before the first user message, and
 # every message is trimmed.

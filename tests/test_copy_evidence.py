@@ -18,7 +18,7 @@ def cpu(n: int) -> float:
 
 
 def step(policy: AdaptivePolicy, match: int, accepted: int | None = None, agreed: int | None = None,
-         cap: int | None = None, context: int = 200) -> int:  # fmt: skip
+         cap: int | None = None, context: int = 200) -> int:
     """One lookup step: the draft length the policy chose, after `accepted` of them were taken
     (None: all)."""
     k = policy.limit("lookup", 64, context, match=match, agreed=agreed, cap=cap)

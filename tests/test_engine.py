@@ -8,13 +8,16 @@ from conftest import load
 from fixtures import synthetic
 from fixtures.clock import VirtualClock
 from specli.decoding.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
-from specli.decoding.engine import SpeculativeDecoder
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
+from specli.decoding.policy.adaptive import AdaptivePolicy, StepReport
+from specli.decoding.sampling import GREEDY, SamplingParams
+from specli.decoding.step import SpeculativeDecoder
 from specli.errors import IncompatibleDraftError, UsageError
 from specli.llama.model import LlamaModel
 from specli.modes import AUTO_MAX_DRAFT, DraftLength
-from specli.session.loading import ModelChoice, load as load_plan, plan
-from specli.decoding.policy.adaptive import AdaptivePolicy, StepReport
-from specli.decoding.sampling import GREEDY, SamplingParams
+from specli.session.loading import ModelChoice, plan
+from specli.session.loading import load as load_plan
 
 N_VALUES = ["auto", 1, 2, 3, 5, 8, 12]
 PROMPTS = [
@@ -41,7 +44,7 @@ def truncated(pair_truncated):
 
 
 def target_only(model_tgt, prompt_ids, max_tokens=MAX_TOKENS):
-    return SpeculativeDecoder(model_tgt, None, 0).generate(prompt_ids, max_tokens=max_tokens).run()
+    return generate(SpeculativeDecoder(model_tgt, None, 0), Request(prompt_ids, max_tokens=max_tokens)).run()
 
 
 @pytest.mark.parametrize("pair_name", ["perturbed", "truncated"])
@@ -56,7 +59,7 @@ def test_draft_model_output_equals_target_only(request, monkeypatch, pair_name, 
     for prompt in PROMPTS:
         ids = model_tgt.tokenize(prompt)
         reference = target_only(model_tgt, ids)
-        gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), n_draft).generate(ids, max_tokens=MAX_TOKENS).run()
+        gen = generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), n_draft), Request(ids, max_tokens=MAX_TOKENS)).run()
         assert gen.token_ids == reference.token_ids, (prompt, n_draft)
         assert gen.text == reference.text
         drafted += gen.stats.drafted
@@ -80,7 +83,7 @@ def test_lookup_output_equals_target_only(perturbed, monkeypatch, n_draft):
         reference = target_only(model_tgt, ids, max_tokens=80)
         # Short keys: random fixture text rarely repeats 6-grams, and rejections must happen too.
         drafter = PromptLookupDrafter(ngram_max=3, ngram_min=1)
-        gen = SpeculativeDecoder(model_tgt, drafter, n_draft).generate(ids, max_tokens=80).run()
+        gen = generate(SpeculativeDecoder(model_tgt, drafter, n_draft), Request(ids, max_tokens=80)).run()
         assert gen.token_ids == reference.token_ids, (prompt, n_draft)
         drafted += gen.stats.drafted
         accepted += gen.stats.accepted
@@ -95,7 +98,7 @@ def test_hybrid_output_equals_target_only_and_uses_both_sources(perturbed, n_dra
         ids = model_tgt.tokenize(prompt)
         reference = target_only(model_tgt, ids, max_tokens=80)
         drafter = HybridDrafter(PromptLookupDrafter(ngram_max=3, ngram_min=2), DraftModelDrafter(model_dft))
-        gen = SpeculativeDecoder(model_tgt, drafter, n_draft).generate(ids, max_tokens=80).run()
+        gen = generate(SpeculativeDecoder(model_tgt, drafter, n_draft), Request(ids, max_tokens=80)).run()
         assert gen.token_ids == reference.token_ids, (prompt, n_draft)
         for source, (d, a) in gen.stats.by_source.items():
             by_source.setdefault(source, [0, 0])
@@ -114,7 +117,7 @@ def test_draft_identical_to_target_is_accepted_fully(pair_identical, n_draft):
     model_tgt, model_dft = load(pair_identical[0]), load(pair_identical[1])
     try:
         ids = model_tgt.tokenize(PROMPTS[0])
-        gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), n_draft).generate(ids, max_tokens=60).run()
+        gen = generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), n_draft), Request(ids, max_tokens=60)).run()
         assert gen.stats.drafted > 0
         assert gen.stats.accepted == gen.stats.drafted
         # Every pass emits all of its drafts plus one (the last pass may be cut by max_tokens).
@@ -136,9 +139,9 @@ def test_caches_hold_exactly_the_context_after_every_step(perturbed):
 
     model_dft.eval = counting_eval
     try:
-        gen = SpeculativeDecoder(model_tgt, drafter, 4).generate(ids, max_tokens=MAX_TOKENS)
+        gen = generate(SpeculativeDecoder(model_tgt, drafter, 4), Request(ids, max_tokens=MAX_TOKENS))
         steps = 0
-        for step in gen:
+        for _ in gen:
             steps += 1
             if gen.stop_reason is None:
                 context = ids + gen.token_ids
@@ -170,7 +173,7 @@ def test_the_first_tokens_come_from_the_pass_that_ends_the_prompt(perturbed, dra
     model_tgt.eval = lambda tokens, **kw: (tokens and passes.append((len(tokens), kw.get("logits")))) or original_eval(tokens, **kw)
     try:
         model_tgt.reset()
-        gen = SpeculativeDecoder(model_tgt, drafter, 4).generate(ids, max_tokens=MAX_TOKENS)
+        gen = generate(SpeculativeDecoder(model_tgt, drafter, 4), Request(ids, max_tokens=MAX_TOKENS))
         first = next(iter(gen))
         assert first.tokens and passes == [(len(ids) + first.n_drafted, first.n_drafted + 1)]
         gen.run()
@@ -191,7 +194,7 @@ def test_a_prompt_longer_than_a_pass_goes_in_whole_passes_first(pair_perturbed):
         passes = []
         original_eval = model_tgt.eval
         model_tgt.eval = lambda tokens, **kw: (tokens and passes.append((len(tokens), kw.get("logits")))) or original_eval(tokens, **kw)
-        gen = SpeculativeDecoder(model_tgt, PromptLookupDrafter(), 4).generate(ids, max_tokens=MAX_TOKENS)
+        gen = generate(SpeculativeDecoder(model_tgt, PromptLookupDrafter(), 4), Request(ids, max_tokens=MAX_TOKENS))
         step = next(iter(gen))
         n_tail = (len(ids) - 1) % model_tgt.n_batch
         assert passes == [(len(ids) - 1 - n_tail, "none"), (n_tail + 1 + step.n_drafted, step.n_drafted + 1)]
@@ -279,7 +282,7 @@ def test_the_engine_tells_auto_the_loops_time_between_passes(perturbed):
     prompt = model_tgt.tokenize(PROMPTS[0])
     for _ in range(2):  # each generation starts afresh: its first two steps report no gap
         start = len(gaps)
-        gen = decoder.generate(prompt, max_tokens=24)
+        gen = generate(decoder, Request(prompt, max_tokens=24))
         steps = sum(1 for _ in gen)
         assert len(gaps) - start == steps >= 4
         assert gaps[start : start + 2] == [None, None]
@@ -291,10 +294,10 @@ def test_context_full_stops_cleanly(pair_perturbed):
     model_tgt, model_dft = load(pair_perturbed[0], n_ctx=64), load(pair_perturbed[1], n_ctx=64)
     try:
         ids = model_tgt.tokenize(PROMPTS[2])
-        gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5).generate(ids, max_tokens=500).run()
+        gen = generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5), Request(ids, max_tokens=500)).run()
         assert gen.stop_reason == "context_full"
         assert len(ids) + len(gen.token_ids) == model_tgt.n_ctx  # llama.cpp may round the size up
-        reference = SpeculativeDecoder(model_tgt, None, 0).generate(ids, max_tokens=500).run()
+        reference = generate(SpeculativeDecoder(model_tgt, None, 0), Request(ids, max_tokens=500)).run()
         assert reference.stop_reason == "context_full"
         assert reference.token_ids == gen.token_ids
     finally:
@@ -305,7 +308,7 @@ def test_context_full_stops_cleanly(pair_perturbed):
 def test_max_tokens_is_exact(perturbed, max_tokens):
     model_tgt, model_dft = perturbed
     ids = model_tgt.tokenize(PROMPTS[0])
-    gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5).generate(ids, max_tokens=max_tokens).run()
+    gen = generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5), Request(ids, max_tokens=max_tokens)).run()
     assert len(gen.token_ids) == max_tokens
     assert gen.stop_reason == "max_tokens"
 
@@ -317,7 +320,7 @@ def test_end_of_generation_token_stops_and_is_not_emitted(perturbed, monkeypatch
     stop_token = reference.token_ids[6]
     first = reference.token_ids.index(stop_token)
     monkeypatch.setattr(model_tgt, "is_eog", lambda token: token == stop_token)
-    gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5).generate(ids, max_tokens=MAX_TOKENS).run()
+    gen = generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5), Request(ids, max_tokens=MAX_TOKENS)).run()
     assert gen.stop_reason == "eos"
     assert gen.token_ids == reference.token_ids[:first]
 
@@ -332,7 +335,7 @@ def test_plain_decoding_reads_one_token_per_pass_when_it_ends_at_eos(perturbed, 
     plain = target_only(model_tgt, ids)
     assert plain.stop_reason == "eos" and plain.stats.n_tokens < plain.stats.target_passes
     assert plain.stats.mean_tokens_per_pass == 1.0
-    st = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 4).generate(ids, max_tokens=MAX_TOKENS).run().stats
+    st = generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 4), Request(ids, max_tokens=MAX_TOKENS)).run().stats
     assert st.mean_tokens_per_pass == pytest.approx(1 + st.accepted / st.target_passes)
 
 
@@ -342,10 +345,10 @@ def test_a_reply_made_by_the_prompts_pass_alone_has_no_decoding_speed(perturbed)
     model_tgt, _ = perturbed
     ids = model_tgt.tokenize(PROMPTS[0])
     model_tgt.reset()  # (a prompt already in the cache leaves the first pass none of it: a decoding pass)
-    one = SpeculativeDecoder(model_tgt, None, 0).generate(ids, max_tokens=1).run().stats
+    one = generate(SpeculativeDecoder(model_tgt, None, 0), Request(ids, max_tokens=1)).run().stats
     assert one.n_tokens == 1 and one.tokens_per_s is None and one.to_dict()["tokens_per_s"] is None
     model_tgt.reset()
-    more = SpeculativeDecoder(model_tgt, None, 0).generate(ids, max_tokens=8).run().stats
+    more = generate(SpeculativeDecoder(model_tgt, None, 0), Request(ids, max_tokens=8)).run().stats
     assert more.prompt_reused == 0
     assert more.tokens_per_s == pytest.approx(7 / more.generation_s)  # the 7 tokens decoded after the prompt's pass
 
@@ -354,17 +357,17 @@ def test_prompt_errors(perturbed):
     model_tgt, _ = perturbed
     decoder = SpeculativeDecoder(model_tgt, PromptLookupDrafter(), 5)
     with pytest.raises(UsageError, match="empty"):
-        decoder.generate([], max_tokens=5)
+        generate(decoder, Request([], max_tokens=5))
     with pytest.raises(UsageError, match="raise n_ctx"):
-        decoder.generate([5] * model_tgt.n_ctx, max_tokens=5)
-    with pytest.raises(UsageError, match="n_draft must be 'auto' or between 1 and 64"):
+        generate(decoder, Request([5] * model_tgt.n_ctx, max_tokens=5))
+    with pytest.raises(UsageError, match="draft_length must be 'auto' or between 1 and 64"):
         SpeculativeDecoder(model_tgt, PromptLookupDrafter(), 0)
 
 
 def test_interrupt_keeps_what_was_produced(perturbed):
     model_tgt, model_dft = perturbed
     ids = model_tgt.tokenize(PROMPTS[0])
-    gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 3).generate(ids, max_tokens=MAX_TOKENS)
+    gen = generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 3), Request(ids, max_tokens=MAX_TOKENS))
     for step_no, _ in enumerate(gen):
         if step_no == 2:
             break
@@ -424,9 +427,9 @@ def test_greedy_with_repeat_penalty_is_exact_and_applies_the_penalty(perturbed):
     ids = model_tgt.tokenize(PROMPTS[2])
     penalized = SamplingParams(temperature=0.0, repeat_penalty=1.5, repeat_last_n=64)
     plain = target_only(model_tgt, ids, max_tokens=60)
-    reference = SpeculativeDecoder(model_tgt, None, 0, penalized).generate(ids, max_tokens=60).run()
+    reference = generate(SpeculativeDecoder(model_tgt, None, 0, penalized), Request(ids, max_tokens=60)).run()
     for drafter in (DraftModelDrafter(model_dft), PromptLookupDrafter(ngram_max=3, ngram_min=1)):
-        gen = SpeculativeDecoder(model_tgt, drafter, 4, penalized).generate(ids, max_tokens=60).run()
+        gen = generate(SpeculativeDecoder(model_tgt, drafter, 4, penalized), Request(ids, max_tokens=60)).run()
         assert gen.token_ids == reference.token_ids
     assert reference.token_ids != plain.token_ids  # the penalty really changed the choices
 
@@ -438,7 +441,7 @@ def test_streamed_text_is_the_detokenized_output(perturbed):
     model_tgt, model_dft = perturbed
     for prompt in PROMPTS:
         ids = model_tgt.tokenize(prompt)
-        gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5).generate(ids, max_tokens=80)
+        gen = generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 5), Request(ids, max_tokens=80))
         streamed = "".join(step.text for step in gen)
         assert gen.text.startswith(streamed)  # the rest was held back for an incomplete character
         assert gen.text == detokenize(model_tgt.piece, gen.token_ids)
@@ -475,12 +478,12 @@ def test_a_draft_model_the_policy_set_aside_does_not_read_the_next_prompt(pertur
     drafter = DraftModelDrafter(model_dft)
     decoder = SpeculativeDecoder(model_tgt, drafter, "auto")
     first, second = (model_tgt.tokenize(p) for p in PROMPTS[:2])
-    decoder.generate(first, max_tokens=MAX_TOKENS).run()
+    generate(decoder, Request(first, max_tokens=MAX_TOKENS)).run()
     state = decoder.policy.source(drafter.name)
     for resting in (False, True):
         state.recheck_in = 100 if resting else None
         model_dft.reset()
-        gen = decoder.generate(second, max_tokens=8)
+        gen = generate(decoder, Request(second, max_tokens=8))
         gen.run()
         assert gen.token_ids == target_only(model_tgt, second, max_tokens=8).token_ids
         read = model_dft.cached[: len(second) - 1] == second[:-1]

@@ -18,12 +18,14 @@ import numpy as np
 import pytest
 
 from conftest import load
-from specli.decoding import engine
 from fixtures import synthetic
+from specli.decoding import verifier
 from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
-from specli.decoding.engine import SpeculativeDecoder
-from specli.decoding.sampling import SamplingParams, probabilities, sample, verify_sampled
-from specli.decoding.verify import Verdict, verify_greedy
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
+from specli.decoding.sampling import SamplingParams, probabilities, sample
+from specli.decoding.step import SpeculativeDecoder
+from specli.decoding.verifier import Verdict, verify_greedy, verify_sampled
 from stats_check import chi_square_p_value
 
 # Flat enough that several tokens matter at each step; the llama.cpp stages all active.
@@ -59,7 +61,7 @@ def sample_two_tokens(model_tgt, drafter, prompt, n_draft: int, draws: int) -> t
     drafted = accepted = 0
     for seed in range(draws):
         params = SamplingParams(**{**SAMPLING.__dict__, "seed": seed})
-        gen = SpeculativeDecoder(model_tgt, drafter, n_draft, params).generate(prompt, max_tokens=2).run()
+        gen = generate(SpeculativeDecoder(model_tgt, drafter, n_draft, params), Request(prompt, max_tokens=2)).run()
         if len(gen.token_ids) == 2:
             counts[tuple(gen.token_ids)] += 1
         else:  # an end-of-generation token came first: its own cell
@@ -93,7 +95,7 @@ def test_lookup_sampling_matches_the_target_law(flat_pair):
     # The prompt repeats a stretch followed by the target's own likely continuation, so lookup
     # drafts (that continuation again) are sometimes accepted and sometimes rejected.
     head = model_tgt.tokenize("red green blue")
-    likely = SpeculativeDecoder(model_tgt, None, 0).generate(head, max_tokens=2).run().token_ids
+    likely = generate(SpeculativeDecoder(model_tgt, None, 0), Request(head, max_tokens=2)).run().token_ids
     prompt = head + likely + head[1:]
     law = fold_eos(exact_two_token_law(model_tgt, prompt), model_tgt)
     counts, (drafted, accepted) = sample_two_tokens(model_tgt, PromptLookupDrafter(ngram_max=3, ngram_min=1), prompt, 2, DRAWS)
@@ -114,7 +116,7 @@ def test_the_check_catches_a_biased_verifier(flat_pair, monkeypatch):
     model_tgt, model_dft = flat_pair
     prompt = model_tgt.tokenize("Once upon a time")
     law = fold_eos(exact_two_token_law(model_tgt, prompt), model_tgt)
-    monkeypatch.setattr(engine, "verify_sampled", biased)
+    monkeypatch.setattr(verifier, "verify_sampled", biased)
     counts, _ = sample_two_tokens(model_tgt, DraftModelDrafter(model_dft), prompt, 3, DRAWS)
     p_value = chi_square_p_value(counts, law, DRAWS)
     print(f"biased verifier: p-value {p_value:.2e}")
@@ -125,12 +127,12 @@ def test_same_seed_same_output_and_the_seed_is_reported(flat_pair):
     model_tgt, model_dft = flat_pair
     prompt = model_tgt.tokenize("The quick brown fox")
     runs = [
-        SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 4, SamplingParams(seed=42)).generate(prompt, max_tokens=30).run()
+        generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 4, SamplingParams(seed=42)), Request(prompt, max_tokens=30)).run()
         for _ in range(2)
     ]
     assert runs[0].token_ids == runs[1].token_ids and runs[0].seed == 42
-    fresh = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 4, SamplingParams()).generate(prompt, max_tokens=30).run()
-    replay = SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 4, SamplingParams(seed=fresh.seed)).generate(prompt, max_tokens=30).run()
+    fresh = generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 4, SamplingParams()), Request(prompt, max_tokens=30)).run()
+    replay = generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(model_dft), 4, SamplingParams(seed=fresh.seed)), Request(prompt, max_tokens=30)).run()
     assert replay.token_ids == fresh.token_ids
 
 

@@ -131,13 +131,13 @@ def test_tiny_temperature_and_repeat_penalty_sample(tmp_path, pair_perturbed):
 # A bug that no input can reach any more, put back by hand: an item with top_k 7 fails in the
 # middle of its generation.
 FAIL_TOP_K_7 = textwrap.dedent("""
-    from specli.decoding import engine
-    verify = engine.SpeculativeDecoder.verify
-    def _failing(self, *args):
-        if self.sampling.top_k == 7:
+    from specli.decoding import step
+    verify = step.verify
+    def _failing(rows, draft, context, sampling, *args, **kwargs):
+        if sampling.top_k == 7:
             raise ZeroDivisionError("planted fault")
-        return verify(self, *args)
-    engine.SpeculativeDecoder.verify = _failing
+        return verify(rows, draft, context, sampling, *args, **kwargs)
+    step.verify = _failing
 """)
 
 
@@ -151,7 +151,7 @@ def test_an_item_that_fails_is_its_own_error_record_and_the_batch_goes_on(tmp_pa
     ])
     out = tmp_path / "out.jsonl"
     args = ["batch", str(src), "-o", str(out), "-m", target, "--temperature", "0", "--max-tokens", "6", "-P", parallel, "-q", *ONE]
-    for attempt in range(2):  # the resume retries the failed item, fails again, and still finishes
+    for _ in range(2):  # the resume retries the failed item, fails again, and still finishes
         result = specli_with(args, code=FAIL_TOP_K_7)
         assert result.returncode == 1, result.stderr
         assert result.stderr == b""
@@ -389,10 +389,10 @@ def test_a_model_path_that_is_no_regular_file_is_refused_at_once(tmp_path, pair_
             sock = socket.socket(socket.AF_UNIX)
             sock.bind(path)
     words = {"fifo": "is a FIFO (named pipe), not a regular file", "socket": "is a socket, not a regular file",
-             "device": "is a character device, not a regular file"}[kind]  # fmt: skip
+             "device": "is a character device, not a regular file"}[kind]
     cases = [["run", "hi", "-m", path, *ONE], ["run", "hi", "-m", target, "-md", path, *ONE], ["chat", "-m", path, *ONE],
              ["batch", "-", "-m", path, *ONE], ["batch", "-", "-m", target, "--draft", path, *ONE], ["bench", "-m", path, *ONE],
-             ["serve", "-m", path, "--port", "0", *ONE], ["fit", "-m", path], ["fit", "-m", target, "-md", path]]  # fmt: skip
+             ["serve", "-m", path, "--port", "0", *ONE], ["fit", "-m", path], ["fit", "-m", target, "-md", path]]
     for args in cases:
         result = specli(*args, stdin="hi\n", timeout=30)
         assert_one_line_error(result, 2, path, words)
@@ -410,18 +410,18 @@ def test_a_closed_stdout_is_one_line_before_any_work(tmp_path, pair_perturbed):
     prompts.write_text("hello\nworld\n")
     cases = [["run", "hi", "-m", missing], ["run", "hi", "-m", missing, "--json"], ["chat", "-m", missing],
              ["batch", str(prompts), "-m", missing], ["bench", "-m", missing], ["fit", "-m", missing],
-             ["models"], ["models", "--json"], ["cache"], ["cache", "--json"]]  # fmt: skip
+             ["models"], ["models", "--json"], ["cache"], ["cache", "--json"]]
     env = {**os.environ, "SPECLI_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     for args in cases:
         result = subprocess.run([sys.executable, "-m", "specli", *args], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                preexec_fn=closed_stdout, timeout=60, env=env)  # fmt: skip
+                                preexec_fn=closed_stdout, timeout=60, env=env)
         assert result.returncode == 1, (args, result.stderr)
         one_line(result.stderr, "specli: error: stdout is closed")
     # What needs no stdout still runs: batch to a file (and nothing lands in the file opened first).
     out = tmp_path / "out.jsonl"
     result = subprocess.run([sys.executable, "-m", "specli", "batch", str(prompts), "-m", str(pair_perturbed[0]), "-o", str(out),
                              *ONE, "--max-tokens", "2", "-q"], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=closed_stdout, timeout=120, env=env)  # fmt: skip
+                            preexec_fn=closed_stdout, timeout=120, env=env)
     assert result.returncode == 0 and result.stderr == b"", result.stderr
     assert [r["id"] for r in records(out)] == [1, 2]
 
@@ -433,7 +433,7 @@ def test_an_output_fifo_with_no_reader_is_refused_before_the_models_load(tmp_pat
     fifo = tmp_path / "out.fifo"
     os.mkfifo(fifo)
     for args, option in ((["batch", "-", "-o", str(tmp_path / "o.jsonl"), "--summary", str(fifo)], "the --summary file"),
-                         (["bench", "--json", str(fifo)], "the --json file"), (["bench", "--csv", str(fifo)], "the --csv file")):  # fmt: skip
+                         (["bench", "--json", str(fifo)], "the --json file"), (["bench", "--csv", str(fifo)], "the --csv file")):
         result = specli(*args, "-m", missing, *ONE, stdin="hi\n", timeout=30)
         assert_one_line_error(result, 2, f"cannot write {option} {fifo}: it is a FIFO (named pipe) with no reader", "start what reads it first")
 

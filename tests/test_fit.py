@@ -8,13 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from specli import gguf as header
-from specli.models import fit
-
 from fixtures import synthetic
 from fixtures.helpers import context_for_kv, measure_kv_cache_bytes
+from specli import gguf as header
 from specli.errors import ModelFileError, UsageError
 from specli.llama.devices import backend_devices
+from specli.models import fit
 from specli.models.registry import load_registry
 
 MIB = 1024 * 1024
@@ -172,13 +171,13 @@ def test_split_context_and_quant_suggestions_fit():
     assert not fit.fits(fit.place(est, memory, tn + 1, dn), memory)
     # A 60 GB GPU holds the pair at 4096 but not at 64k; the largest context is in between.
     roomy = gpu(60)
-    ctx = fit.max_context(big, small, roomy, kv_type="f16", n_draft=5, overhead=2 * fit.GB, limit=65536)
+    ctx = fit.max_context(big, small, roomy, kv_type="f16", draft_length=5, overhead=2 * fit.GB, limit=65536)
     assert ctx is not None and 4096 < ctx < 65536 and ctx % 256 == 0
     over = fit.estimate(big, small, n_ctx=ctx + 256)
     assert not fit.fits(fit.place(over, roomy), roomy)
     # In 45 GB of RAM only a lighter quantization of the 70B fits.
     ram = fit.DeviceMemory("ram", "RAM", 45 * fit.GB, 45 * fit.GB, 45 * fit.GB, 45 * fit.GB, "test")
-    name, smaller = fit.smaller_quant(big, small, ram, n_ctx=4096, kv_type="f16", n_draft=5,
+    name, smaller = fit.smaller_quant(big, small, ram, n_ctx=4096, kv_type="f16", draft_length=5,
                                       overhead=2 * fit.GB, ngl=-1, draft_ngl=-1)
     assert name == "Q3_K_M" and smaller.weight_bytes < big.weight_bytes
 

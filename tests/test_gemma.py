@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
-from specli.decoding.engine import SpeculativeDecoder
 from fixtures.helpers import convert, greedy_gaps
+from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
+from specli.decoding.step import SpeculativeDecoder
 from specli.llama.model import LlamaModel
 
 pytestmark = pytest.mark.gemma
@@ -44,8 +46,8 @@ STORY_PROMPT = "Once upon a time, in a village at the edge of a great forest, th
 @pytest.mark.parametrize("prompt", [CODE_PROMPT, STORY_PROMPT], ids=["code", "story"])
 def test_lookup_tokens_are_the_targets_greedy_choices(gemma, prompt, record_property):
     ids = gemma.tokenize(prompt)
-    reference = SpeculativeDecoder(gemma, None, 0).generate(ids, max_tokens=96).run()
-    gen = SpeculativeDecoder(gemma, PromptLookupDrafter(), 5).generate(ids, max_tokens=96).run()
+    reference = generate(SpeculativeDecoder(gemma, None, 0), Request(ids, max_tokens=96)).run()
+    gen = generate(SpeculativeDecoder(gemma, PromptLookupDrafter(), 5), Request(ids, max_tokens=96)).run()
     gaps = greedy_gaps(gemma, ids, gen.token_ids)
     divergence = next((i for i, (a, b) in enumerate(zip(gen.token_ids, reference.token_ids)) if a != b), None)
     record_property("max_logit_gap", float(gaps.max()))
@@ -62,7 +64,7 @@ def test_lookup_tokens_are_the_targets_greedy_choices(gemma, prompt, record_prop
 
 def test_lookup_on_code_accepts_most_drafts(gemma):
     ids = gemma.tokenize(CODE_PROMPT)
-    gen = SpeculativeDecoder(gemma, PromptLookupDrafter(), 5).generate(ids, max_tokens=64).run()
+    gen = generate(SpeculativeDecoder(gemma, PromptLookupDrafter(), 5), Request(ids, max_tokens=64)).run()
     # The rewrite copies the input's code: prompt lookup must find it (measured: see README).
     assert gen.stats.acceptance_rate > 0.5
     assert gen.stats.mean_tokens_per_pass > 2.0
@@ -74,7 +76,7 @@ def test_draft_model_on_real_weights(gemma, gemma_path, tmp_path):
     model_tgt = LlamaModel(target_path, n_ctx=1024, n_threads=2)
     try:
         ids = model_tgt.tokenize(STORY_PROMPT)
-        gen = SpeculativeDecoder(model_tgt, DraftModelDrafter(gemma), 4).generate(ids, max_tokens=48).run()
+        gen = generate(SpeculativeDecoder(model_tgt, DraftModelDrafter(gemma), 4), Request(ids, max_tokens=48)).run()
         gaps = greedy_gaps(model_tgt, ids, gen.token_ids)
         print(f"F16 target + Q4_K_M draft: acceptance {gen.stats.acceptance_rate:.2f}, max gap {gaps.max():.4f}")
         assert gen.stats.acceptance_rate > 0.8

@@ -16,11 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specli import gguf as header
-from specli.models import fit
-
 from fixtures import synthetic
+from specli import gguf as header
 from specli.errors import ModelFileError
+from specli.models import fit
 
 U32, I32, F32, STR, ARR, U64 = 4, 5, 6, 8, 9, 10
 

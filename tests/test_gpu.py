@@ -16,8 +16,8 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from specli.llama.devices import backend_devices
 from fixtures.cli import specli
+from specli.llama.devices import backend_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 # A GPU device, not just offload support: an RPC-enabled build supports offload (to RPC
@@ -30,7 +30,7 @@ PROMPT = "Once upon a time"
 def run_json(pair, *flags: str) -> dict:
     target, draft = pair
     result = specli("run", "-m", str(target), "-d", str(draft), "-n", "24", "--temp", "0", "--json", "-q",
-                    "-c", "256", *flags, PROMPT, timeout=300)  # fmt: skip
+                    "-c", "256", *flags, PROMPT, timeout=300)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -66,7 +66,7 @@ def test_fit_sees_the_real_device(pair_identical):
     smi = shutil.which("nvidia-smi")
     if smi:  # llama.cpp's figure is the driver's, give or take what the driver reserves
         mib = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True).stdout.split()  # fmt: skip
+                             capture_output=True, text=True).stdout.split()
         assert any(abs(memory["total"] - float(m) * 2**20) <= 0.1 * float(m) * 2**20 for m in mib), (memory, mib)
 
 
@@ -78,7 +78,7 @@ def test_gpu_check_script_runs_its_no_gpu_flow(tmp_path):
            "WORK": str(tmp_path / "work"), "PYTHON": sys.executable}
     env.pop("OUT", None)
     result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out)],
-                            capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)  # fmt: skip
+                            capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "no NVIDIA GPU" in result.stderr
     summary = (out / "summary.txt").read_text()

@@ -11,10 +11,10 @@ import json
 
 import pytest
 
+from fixtures.cli import assert_one_line_error, specli
 from specli.decoding.sampling import SamplingParams
 from specli.server.protocol import CHAT, TEXT, ApiError, parse_request
 from specli.session.batch import LineError, _parse_line
-from fixtures.cli import assert_one_line_error, specli
 
 DEFAULTS = SamplingParams()
 HUGE = 10**400
@@ -47,7 +47,7 @@ def test_token_ids_out_of_range_are_refused():
     ({"prompt": "hi", "stop": ["ok", LONE]}, TEXT, "stop"),
     ({"messages": [{"role": "user", "content": LONE}]}, CHAT, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]}, CHAT, "messages"),
-])  # fmt: skip
+])
 def test_a_lone_surrogate_is_a_400_naming_its_field(body, kind, field):
     err = refused(body, kind)
     assert err.param == field and "surrogate" in err.message
@@ -59,7 +59,7 @@ def test_a_stop_string_too_long_to_search_is_refused():
 
 
 class FakeHttp:
-    """What _read_json and _check_key read of a Starlette request."""
+    """What read_json and check_key read of a Starlette request."""
 
     def __init__(self, body: bytes = b"", headers: dict | None = None):
         self.body, self.headers = body, headers or {}
@@ -70,28 +70,26 @@ class FakeHttp:
 
 def test_json_nested_too_deeply_is_a_400():
     pytest.importorskip("starlette")
-    from specli.server.app import _read_json
+    from specli.server.handling import read_json
 
     for deep in ("[" * 100_000 + "]" * 100_000, '{"x": ' + "[" * 100_000 + "]" * 100_000 + ', "prompt": "hi"}'):
         with pytest.raises(ApiError) as caught:
-            asyncio.run(_read_json(FakeHttp(deep.encode())))
+            asyncio.run(read_json(FakeHttp(deep.encode())))
         assert caught.value.status == 400 and "nested" in caught.value.message
 
 
 @pytest.mark.parametrize("key", ["clé-secrète-ключ", "clé-voilà", "ключх"])  # (à and х end in \xa0 and \x85 in UTF-8)
 def test_a_non_ascii_api_key_sent_as_utf8_is_the_key(key):
     pytest.importorskip("starlette")
-    from specli.server.app import Service
+    from specli.server.handling import check_key
 
     class Settings:
         api_key = key
 
-    server = Service.__new__(Service)
-    server.settings = Settings()
     sent = "Bearer " + Settings.api_key.encode("utf-8").decode("latin-1")  # as an ASGI server hands it over
-    server._check_key(FakeHttp(headers={"authorization": sent}))
+    check_key(Settings(), FakeHttp(headers={"authorization": sent}))
     with pytest.raises(ApiError) as caught:
-        server._check_key(FakeHttp(headers={"authorization": "Bearer cle-secrete"}))
+        check_key(Settings(), FakeHttp(headers={"authorization": "Bearer cle-secrete"}))
     assert caught.value.status == 401
 
 
@@ -103,7 +101,7 @@ def test_an_empty_api_key_from_the_environment_is_refused_at_start_up(tmp_path):
 @pytest.mark.parametrize("line, words", [
     (b'{"prompt": "a\\ud800b"}', "surrogate"),
     (b'{"prompt": "hi", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
-])  # fmt: skip
+])
 def test_a_batch_item_with_bad_text_is_bad_input_not_a_bug(line, words):
     entry = _parse_line(1, line, "jsonl", DEFAULTS, 16)
     assert isinstance(entry, LineError) and words in entry.error
@@ -183,7 +181,7 @@ def test_a_hugging_face_ref_that_is_not_text_is_named_and_the_rest_listed(tmp_pa
 
     hub = tmp_path / "hf" / "hub"
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1",
-           "XDG_CONFIG_HOME": str(tmp_path / "config"), "SPECLI_MODELS": ""}  # fmt: skip
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "SPECLI_MODELS": ""}
     commit = "0123456789abcdef0123456789abcdef01234567"
     good = hub / "models--user--good"
     (good / "refs").mkdir(parents=True)
@@ -192,13 +190,13 @@ def test_a_hugging_face_ref_that_is_not_text_is_named_and_the_rest_listed(tmp_pa
     (good / "snapshots" / commit / "m-Q4_K_M.gguf").write_bytes(b"GGUF")
     refs = {}
     for repo, make in (("bartowski/Meta-Llama-3.1-70B-Instruct-GGUF", lambda p: p.write_bytes(b"\xff\xfe\x00garbage")),  # a registry pair's target
-                       ("user/fifo", os.mkfifo), ("user/slash", lambda p: p.write_text("/"))):  # fmt: skip
+                       ("user/fifo", os.mkfifo), ("user/slash", lambda p: p.write_text("/"))):
         ref = hub / ("models--" + repo.replace("/", "--")) / "refs" / "main"
         ref.parent.mkdir(parents=True)
         make(ref)
         refs[repo] = ref
     why = {"bartowski/Meta-Llama-3.1-70B-Instruct-GGUF": "it is not text", "user/fifo": "it is a FIFO (named pipe)",
-           "user/slash": "'/' is not a commit hash"}  # fmt: skip
+           "user/slash": "'/' is not a commit hash"}
     for args in (["models"], ["models", "--json"]):
         result = specli(*args, env=env, timeout=60)
         assert result.returncode == 0, result.stderr
@@ -212,7 +210,7 @@ def test_a_hugging_face_ref_that_is_not_text_is_named_and_the_rest_listed(tmp_pa
     assert result.returncode in (0, 3), result.stderr  # (fits or not, by this machine's memory: from models.toml's facts)
     assert result.stderr.splitlines() == [f"specli: warning: skipped the Hugging Face cache ref {refs['bartowski/Meta-Llama-3.1-70B-Instruct-GGUF']}: "
                                           "it is not text (it should hold a commit hash); the repo counts as not downloaded "
-                                          "(delete the ref; specli pull then fetches the repo again)"]  # fmt: skip
+                                          "(delete the ref; specli pull then fetches the repo again)"]
     assert "Traceback" not in result.stderr and "UnicodeDecodeError" not in result.stderr
     # A pull would have the hub client read it as text (a FIFO: for ever): one line saying what to do.
     result = specli("pull", "llama-3.1-70b", env=env, timeout=60)
@@ -248,7 +246,7 @@ def test_the_verbose_hint_is_given_only_by_a_command_that_has_verbose(monkeypatc
     ("{{ 'x' | center(1000000000) | length }}", "passes 1,000,000,000 to a function"),
     # a string doubled in a loop: each step is small, the memory is not
     ("{% set s = namespace(t='x') %}{% for i in range(40) %}{% set s.t = s.t ~ s.t %}{% endfor %}{{ s.t }}", "MiB of memory"),
-])  # fmt: skip
+])
 def test_a_template_is_bounded_in_time_and_size(source, words, monkeypatch):
     import time
 
@@ -333,7 +331,7 @@ def test_a_looping_template_beside_growing_memory_is_stopped_for_its_time(monkey
     (lambda: {"prompt": "hi", "tools": [{"x": "A" * 10_000_000}]}, TEXT, "tools", "1 item"),
     (lambda: {"messages": [{"role": "A" * 10_000_000, "content": "hi"}]}, CHAT, "messages", "10,000,000 characters"),
     (lambda: {"messages": [{"role": "user", "content": [{"type": "A" * 10_000_000}]}]}, CHAT, "messages", "10,000,000 characters"),
-], ids=["logit_bias", "tools", "role", "content-part-type"])  # fmt: skip
+], ids=["logit_bias", "tools", "role", "content-part-type"])
 def test_an_error_quotes_at_most_the_start_of_a_huge_value(body, kind, field, size):
     # (was: the whole value, a 14.9 MB answer for the logit_bias, 10 MB for the tools)
     err = refused(body(), kind)
@@ -342,15 +340,13 @@ def test_an_error_quotes_at_most_the_start_of_a_huge_value(body, kind, field, si
 
 def test_an_unknown_model_name_is_quoted_short_and_no_message_is_huge():
     pytest.importorskip("starlette")
-    from specli.server.app import Service
+    from specli.server.handling import check_model
 
     class Settings:
         model_id, aliases = "served", set()
 
-    server = Service.__new__(Service)
-    server.settings = Settings()
     with pytest.raises(ApiError) as caught:
-        server._check_model("m" * 10_000_000)
+        check_model(Settings(), "m" * 10_000_000)
     assert caught.value.status == 404 and "10,000,000 characters" in caught.value.message and len(caught.value.message) < 300
     # whatever a message holds (a template's own error text quoting a message), it stays short
     assert len(ApiError(400, "the template refuses this conversation: " + "A" * 10_000_000).message) < 1100

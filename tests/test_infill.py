@@ -30,10 +30,11 @@ except ImportError:
 from conftest import load
 from fixtures import synthetic
 from fixtures.cli import popen, stop
-from specli.decoding.engine import STOP_INDENT, STOP_STRING, STOP_TIME_LIMIT, Generation
-from specli.decoding.limits import LineLimits
+from specli.decoding.generation import Generation, Request
+from specli.decoding.loop import generate
 from specli.decoding.sampling import GREEDY, SamplingParams
 from specli.decoding.stats import Stats
+from specli.decoding.stopping import STOP_INDENT, STOP_STRING, STOP_TIME_LIMIT, LineLimits
 from specli.decoding.text import TextStream
 from specli.llama.model import plan_chunk_reuse
 from specli.server import fim
@@ -144,7 +145,7 @@ def editor_request(first: int, last: int, cursor_text: str = "    return", **kw)
         "input_extra": [{"filename": "util.py", "text": "def helper(y):\n    return y - 1\n", "time": 1}],
         "n_predict": 16, "top_k": 40, "top_p": 0.99, "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True,
         "t_max_prompt_ms": 500, "stream": False,
-    }  # fmt: skip
+    }
     body.update(kw)
     return body
 
@@ -153,7 +154,7 @@ def layout(model, body: dict, n_ctx: int = CTX) -> list[int]:
     """The prompt /infill builds for `body` (the server's -n is unset: n_predict -1)."""
     extra = [(chunk.get("filename", "tmp"), chunk["text"]) for chunk in body.get("input_extra", [])]
     return fim.infill_prompt(model, model.fim_tokens(), prefix=body["input_prefix"], suffix=body["input_suffix"], extra=extra,
-                             prompt=body.get("prompt", ""), n_ctx=n_ctx)  # fmt: skip
+                             prompt=body.get("prompt", ""), n_ctx=n_ctx)
 
 
 # --- the FIM layout ---------------------------------------------------------------------------------
@@ -161,9 +162,9 @@ def test_the_repo_level_layout_puts_each_piece_where_llama_server_does(fim_model
     m, f = fim_model, fim_model.fim_tokens()
     text = lambda s: m.tokenize(s, add_bos=False)  # noqa: E731
     ids = fim.infill_prompt(m, f, prefix="def f(x):\n", suffix="\nprint(f(2))\n", extra=[("a.py", "A = 1\n"), ("b.py", "B = 2\n")],
-                            prompt="    return", n_ctx=CTX)  # fmt: skip
+                            prompt="    return", n_ctx=CTX)
     extra = [f["rep"], *text("myproject\n"), f["sep"], *text("a.py\n"), *text("A = 1\n"), f["sep"], *text("b.py\n"), *text("B = 2\n"),
-             f["sep"], *text("filename\n")]  # fmt: skip
+             f["sep"], *text("filename\n")]
     # BOS (this vocabulary adds one) after the extra context; `prompt` right after the prefix, tokenized on its own
     assert ids == [*extra, m.vocab_info().bos, f["pre"], *text("def f(x):\n"), *text("    return"), f["suf"], *text("\nprint(f(2))\n"), f["mid"]]
 
@@ -187,7 +188,7 @@ def test_the_layout_keeps_llama_servers_shares_of_prefix_suffix_and_extra(fim_mo
     prefix, suffix = "".join(LINES[:3]), "".join(LINES[3:6])
     p, s = m.tokenize(prefix, add_bos=False), m.tokenize(suffix, add_bos=False)
     extra = [f["rep"], *m.tokenize("myproject\n", add_bos=False), f["sep"], *m.tokenize("a.py\n", add_bos=False),
-             *m.tokenize("".join(LINES[6:9]), add_bos=False), f["sep"], *m.tokenize("filename\n", add_bos=False)]  # fmt: skip
+             *m.tokenize("".join(LINES[6:9]), add_bos=False), f["sep"], *m.tokenize("filename\n", add_bos=False)]
     ids = fim.infill_prompt(m, f, prefix=prefix, suffix=suffix, extra=[("a.py", "".join(LINES[6:9]))], n_ctx=16 + 30 + 2 * 5, n_predict=5, n_batch=16)
     bos = m.vocab_info().bos
     assert ids == [*extra[-30:], bos, f["pre"], *p[-12:], f["suf"], *s[:2], f["mid"]]
@@ -208,7 +209,7 @@ def big_editor_request(**kw) -> dict:
     over its 510, the extra context over any share."""
     many = [f"def step_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)]
     body = {"input_prefix": "".join(many[:150]), "input_suffix": "\n" + "".join(many[150:250]),
-            "input_extra": [{"filename": "other.py", "text": "".join(many[250:])}], "prompt": "    return", "n_predict": 16}  # fmt: skip
+            "input_extra": [{"filename": "other.py", "text": "".join(many[250:])}], "prompt": "    return", "n_predict": 16}
     body.update(kw)
     return body
 
@@ -220,7 +221,7 @@ def test_the_extra_context_gives_way_where_llama_servers_shares_overfill_the_con
     request; specli drops the oldest extra tokens instead, keeping n_room for the completion."""
     m, f, body = fim_model, fim_model.fim_tokens(), big_editor_request()
     args = dict(prefix=body["input_prefix"], suffix=body["input_suffix"], prompt=body["prompt"],
-                extra=[(c["filename"], c["text"]) for c in body["input_extra"]])  # fmt: skip
+                extra=[(c["filename"], c["text"]) for c in body["input_extra"]])
     whole = fim.infill_prompt(m, f, **args, n_ctx=10**6)  # (room for all of the extra context)
     n_fim = fim.PREFIX_TAKE + fim.SUFFIX_TAKE + 4  # (BOS, the three FIM tokens; the prompt within the suffix's share)
     extra, shares = whole[:-n_fim], whole[-n_fim:]
@@ -332,7 +333,7 @@ BASE = {"input_prefix": "a", "input_suffix": "b"}
     ({"response_fields": "content"}, "response_fields"), ({"lora": [{"id": 0, "scale": 0.5}]}, "lora"), ({"n_probs": 3}, "n_probs"),
     ({"ignore_eos": True}, "ignore_eos"), ({"t_max_predict_ms": "1s"}, "t_max_predict_ms"), ({"id_slot": "0"}, "id_slot"),
     ({"seed": -5}, "seed"), ({"n_cache_reuse": -1}, "n_cache_reuse"), ({"typical_p": True}, "typical_p"),
-])  # fmt: skip
+])
 def test_a_bad_infill_field_is_a_400_naming_it(extra, param):
     body = {**BASE, **extra}
     if extra.get(param, 0) is None:
@@ -344,7 +345,7 @@ def test_a_bad_infill_field_is_a_400_naming_it(extra, param):
 
 def test_infill_fields_read_as_llama_server_reads_them():
     req = parse_infill({**BASE, "stop": ["", "\n\n"], "t_max_prompt_ms": 500, "some_vendor_field": [1], "samplers": [], "n_predict": 0,
-                        "typical_p": 1.0, "logit_bias": [], "lora": [], "n_keep": 64, "seed": -1, "n_indent": 4}, GREEDY, n_vocab=1000)  # fmt: skip
+                        "typical_p": 1.0, "logit_bias": [], "lora": [], "n_keep": 64, "seed": -1, "n_indent": 4}, GREEDY, n_vocab=1000)
     assert req.stop == ("\n\n",) and req.n_predict == 0 and req.seed is None and req.n_indent == 4 and req.cache_prompt
     assert parse_infill({**BASE, "max_tokens": 7}, GREEDY, 1000).n_predict == 7
     assert parse_infill({**BASE, "t_max_predict_ms": 0}, GREEDY, 1000).t_max_predict_ms is None
@@ -354,9 +355,7 @@ def infill_ids(model, body: dict, n_ctx: int, server_n=None) -> list[int]:
     """LlamaRoutes._infill_ids for `body` on a server whose requests hold n_ctx tokens."""
     from types import SimpleNamespace
 
-    routes = LlamaRoutes()
-    routes.model, routes.scheduler = model, SimpleNamespace(n_ctx=n_ctx)
-    routes.settings = SimpleNamespace(default_max_tokens=server_n)
+    routes = LlamaRoutes(SimpleNamespace(n_ctx=n_ctx), model, SimpleNamespace(default_max_tokens=server_n))
     return routes._infill_ids(parse_infill(body, GREEDY, model.n_vocab))
 
 
@@ -386,7 +385,7 @@ def test_metrics_text_has_llama_servers_names_and_specli_drafting():
     stats.record_step(4, 3, 4, source="lookup")
     stats.prompt_tokens, stats.prompt_reused, stats.prompt_s, stats.generation_s = 10, 4, 0.5, 1.0
     text = prometheus_text({"totals": stats, "counts": {"completed": 1, "cancelled": 2, "failed": 0, "passes": 1}, "pass_sequences": 1,
-                            "most_tokens": 14, "processing": 0, "queued": 3}, queue_limit=64)  # fmt: skip
+                            "most_tokens": 14, "processing": 0, "queued": 3}, queue_limit=64)
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     assert lines["llamacpp:prompt_tokens_total"] == "6" and lines["llamacpp:prompt_tokens_cached_total"] == "4"
     assert lines["llamacpp:spec_decode_num_draft_tokens_total"] == "4" and lines["llamacpp:spec_decode_num_accepted_tokens_total"] == "3"
@@ -405,7 +404,7 @@ def test_the_generation_speed_is_stats_tokens_per_s_everywhere():
     stats.prompt_pass_decided, stats.generation_s = 4, 0.5  # (the first pass ended the prompt: its 4 tokens are the prompt's)
     assert stats.tokens_per_s == 4.0 and timings(stats)["predicted_per_second"] == 4.0
     text = prometheus_text({"totals": stats, "counts": {"completed": 1, "cancelled": 0, "failed": 0, "passes": 2}, "pass_sequences": 2,
-                            "most_tokens": 14, "processing": 0, "queued": 0}, queue_limit=64)  # fmt: skip
+                            "most_tokens": 14, "processing": 0, "queued": 0}, queue_limit=64)
     assert "llamacpp:predicted_tokens_seconds 4.0\n" in text
     one = Stats()
     one.record_step(0, 0, 1)
@@ -431,7 +430,7 @@ def test_streamed_token_ids_are_those_of_released_text():
 
 # --- /infill over HTTP --------------------------------------------------------------------------------
 LLAMA_SERVER_KEYS = {"index", "content", "tokens", "id_slot", "stop", "model", "tokens_predicted", "tokens_evaluated", "generation_settings",
-                     "prompt", "has_new_line", "truncated", "stop_type", "stopping_word", "tokens_cached", "timings"}  # fmt: skip
+                     "prompt", "has_new_line", "truncated", "stop_type", "stopping_word", "tokens_cached", "timings"}
 
 
 def test_infill_gives_what_completions_give_for_its_prompt(server, fim_model):
@@ -526,7 +525,7 @@ def test_tokenize_and_detokenize_round_trip(server, fim_model):
     assert server.post("/detokenize", {"tokens": tokens}).json() == {"content": text}
     assert server.post("/tokenize", {}).json() == {"tokens": []}
     for path, body, param in (("/detokenize", {"tokens": [10**7]}, "tokens"), ("/detokenize", {"tokens": "1 2"}, "tokens"),
-                              ("/tokenize", {"content": 5}, "content"), ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces")):  # fmt: skip
+                              ("/tokenize", {"content": 5}, "content"), ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces")):
         response = server.post(path, body)
         assert response.status_code == 400 and response.json()["error"]["param"] == param
 
@@ -581,7 +580,7 @@ def test_the_key_guards_every_endpoint_but_health_and_off_endpoints_are_501(pair
     """A model without FIM tokens; --api-key; no --metrics or --slots."""
     with serving(pair_perturbed[0], tmp_path / "key.stderr", "--api-key", "sesame") as srv:
         for method, path in (("POST", "/infill"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"),
-                             ("GET", "/props"), ("GET", "/metrics"), ("GET", "/slots")):  # fmt: skip
+                             ("GET", "/props"), ("GET", "/metrics"), ("GET", "/slots")):
             response = srv.http.request(method, path, json={} if method == "POST" else None)
             assert response.status_code == 401, (path, response.text)
         assert srv.http.get("/health").status_code == 200 and srv.http.get("/v1/health").status_code == 200
@@ -616,7 +615,7 @@ def run_jobs(model, jobs: list, *, cache_reuse: int = 8, max_tokens: int = 3, **
     with --cache-reuse `cache_reuse` (lookup drafting, greedy): each one's Done, and the
     scheduler (closed)."""
     from specli.decoding.drafters import make_drafter
-    from specli.decoding.engine import SpeculativeDecoder
+    from specli.decoding.step import SpeculativeDecoder
     from specli.server.scheduler import Done, Job, Scheduler
     from specli.session.loading import Loaded, Plan
 
@@ -628,7 +627,7 @@ def run_jobs(model, jobs: list, *, cache_reuse: int = 8, max_tokens: int = 3, **
     try:
         for ids, reuse in jobs:
             events = []
-            scheduler.submit(Job(ids, max_tokens, GREEDY, emit=events.append, cache_reuse=reuse))
+            scheduler.submit(Job(Request(ids, max_tokens, GREEDY, cache_reuse=reuse), emit=events.append))
             deadline = time.monotonic() + 60
             while not any(isinstance(e, Done) for e in events) and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -678,13 +677,13 @@ def test_a_request_without_cache_reuse_never_keeps_moved_entries(fim2_model, ser
     completion after them). A request that reuses none (the server's --cache-reuse 0, or its own
     n_cache_reuse 0) after one that moved chunks in its slot must still give what `run` gives:
     it keeps the exact entries only (the common prefix before the first move)."""
-    from specli.decoding.engine import SpeculativeDecoder
+    from specli.decoding.step import SpeculativeDecoder
 
     model = fim2_model
     old, new = layout(model, editor_request(2, 26)), layout(model, editor_request(5, 29))
     common = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
     model.reset()
-    run_text = SpeculativeDecoder(model, None, 0, GREEDY).generate(new, max_tokens=16).run().text  # (`specli run`, target only)
+    run_text = generate(SpeculativeDecoder(model, None, 0, GREEDY), Request(new, max_tokens=16)).run().text  # (`specli run`, target only)
     jobs = [(old, None), (new, opt_in), (new, opt_out), (new, opt_out)]
     numerics = dict(kv_type="f32", flash_attn="off")  # (load()'s, for the slots' own context with n_seq 2)
     done, _ = run_jobs(model, jobs, cache_reuse=server_reuse, max_tokens=16, n_seq=n_seq, n_threads=1, **numerics)

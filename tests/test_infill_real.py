@@ -69,10 +69,10 @@ def running(cmd: list[str], log: Path, pattern: str):
 def both_servers(qwen_pair, llama_server: Path, tmp_path: Path):
     target = str(qwen_pair[0])
     specli_cmd = [sys.executable, "-m", "specli", "serve", "-m", target, "--lookup", "-c", str(CTX), "--threads", "1", "--port", "0",
-                  "--cache-reuse", str(REUSE)]  # fmt: skip
+                  "--cache-reuse", str(REUSE)]
     port = free_port()
     native_cmd = [str(llama_server), "-m", target, "-c", str(CTX), "-np", "1", "-t", "1", "-tb", "1", "--host", "127.0.0.1", "--port", str(port),
-                  "--cache-reuse", str(REUSE), "--cache-ram", "0"]  # fmt: skip
+                  "--cache-reuse", str(REUSE), "--cache-ram", "0"]
     with running(specli_cmd, tmp_path / "specli.log", r"listening on http://127\.0\.0\.1:(\d+) ") as ours:
         with running(native_cmd, tmp_path / "native.log", rf"listening on http://127\.0\.0\.1:({port})") as theirs:
             yield ours, theirs
@@ -97,7 +97,7 @@ def editor_request(lines: list[str], cursor: int) -> dict:
         "prompt": line[:col], "input_extra": [{"filename": "engine.py", "text": "".join(lines[:20]), "time": 0}],
         "n_predict": 48, "n_indent": col, "top_k": 1, "temperature": 0, "top_p": 0.99, "samplers": ["top_k", "top_p", "infill"],
         "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 600000, "stream": False, "return_tokens": True,
-    }  # fmt: skip
+    }
 
 
 def parting_gap(target: Path, body: dict, ours: list[int], theirs: list[int]) -> float:
@@ -107,7 +107,7 @@ def parting_gap(target: Path, body: dict, ours: list[int], theirs: list[int]) ->
     try:
         extra = [(c["filename"], c["text"]) for c in body["input_extra"]]
         prompt = fim.infill_prompt(model, model.fim_tokens(), prefix=body["input_prefix"], suffix=body["input_suffix"], extra=extra,
-                                   prompt=body["prompt"], n_ctx=CTX)  # fmt: skip
+                                   prompt=body["prompt"], n_ctx=CTX)
         i = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         assert i is not None, f"the same tokens, another text: {ours} vs {theirs}"
         logits = np.array(model.eval([*prompt, *ours[:i]], logits="last")[0])

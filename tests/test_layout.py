@@ -145,12 +145,79 @@ def test_nothing_below_the_cli_imports_it():
             assert not any(m.startswith("specli.cli") for m in GRAPH[name]), name
 
 
-@pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("specli.decoding.policy")] + [
-    "specli.decoding.verify", "specli.decoding.stats", "specli.decoding.text"])
+# The pure parts: the policy, verification, sampling, a generation's bookkeeping, stopping, token
+# trees, stats and text, tested on simulated numbers, without llama.cpp.
+PURE = {m for m in MODULES if m.startswith("specli.decoding.policy")} | {
+    f"specli.decoding.{name}" for name in ("verifier", "sampling", "generation", "stopping", "branches", "stats", "text")}
+
+
+@pytest.mark.parametrize("name", sorted(PURE))
 def test_the_pure_parts_import_nothing_but_each_other(name):
-    # The policy, verification, stats and text are pure: tested on simulated numbers.
-    pure = {m for m in MODULES if m.startswith("specli.decoding.policy")} | {"specli.decoding.policy"}
-    assert GRAPH[name] <= pure | {"specli.decoding.verify"}, GRAPH[name]
+    assert GRAPH[name] <= PURE | {"specli.errors"}, GRAPH[name] - PURE
+
+
+def trees() -> dict[str, ast.AST]:
+    return {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in MODULES.items()}
+
+
+TREES = trees()
+VERIFIER = "specli.decoding.verifier"
+
+
+def calls(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            yield node, (node.func.id if isinstance(node.func, ast.Name) else node.func.attr if isinstance(node.func, ast.Attribute) else "")
+
+
+def test_acceptance_is_decided_in_one_module():
+    # Only the verifier makes a Verdict or defines a verify function: a constraint's mask, or
+    # any other rule for accepting a draft, has one place to go.
+    for name, tree in TREES.items():
+        if name == VERIFIER:
+            continue
+        made = [node.lineno for node, called in calls(tree) if called == "Verdict"]
+        defined = [node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name.lower().startswith("verif")]
+        assert not made and not defined, (name, made, defined)
+
+
+def test_nothing_above_decoding_builds_a_step_loop_by_hand():
+    # The front ends start, prefill, step and release sequences through StepLoop (or generate());
+    # none plans or commits a step itself, or makes a SequenceStep or a StepLoop but by its
+    # factories.
+    for name, tree in TREES.items():
+        if name.startswith("specli.decoding"):
+            continue
+        stepping = [(node.lineno, called) for node, called in calls(tree)
+                    if called in ("SequenceStep", "StepLoop") and isinstance(node.func, ast.Name)
+                    or called in ("plan", "plan_steps", "commit") and isinstance(node.func, ast.Attribute) and "seq" in ast.unparse(node.func.value)]
+        assert not stepping, (name, stepping)
+
+
+def test_no_drafter_is_probed_for_what_it_can_do():
+    # The drafter's protocol is declared (drafters.Drafter, with a default for every optional
+    # capability): nothing asks getattr or hasattr of a drafter or a cache.
+    for name, tree in TREES.items():
+        for node, called in calls(tree):
+            if called in ("getattr", "hasattr") and node.args:
+                probed = ast.unparse(node.args[0])
+                assert not any(word in probed for word in ("drafter", "draft", "cache", "item")), (name, node.lineno, probed)
+
+
+def test_every_drafter_follows_the_declared_protocol():
+    import inspect
+
+    import specli.decoding.drafters as drafters
+    import specli.decoding.memory_drafter as memory_drafter
+    import specli.decoding.recycling as recycling
+    import specli.decoding.replay as replay
+
+    found = [cls for module in (drafters, memory_drafter, recycling, replay) for _, cls in inspect.getmembers(module, inspect.isclass)
+             if cls.__module__ == module.__name__ and cls is not drafters.Drafter and (cls.__name__.endswith("Drafter") or cls.__name__ == "ReplayHybrid")]
+    assert len(found) >= 7, found
+    for cls in found:
+        assert issubclass(cls, drafters.Drafter), cls
+        assert cls.propose is not drafters.Drafter.propose, cls  # (the one method without a default)
 
 
 def test_every_package_of_specli_stands_on_a_floor():

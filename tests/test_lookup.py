@@ -17,7 +17,7 @@ class RecordingJudge(DraftJudge):
         self.calls: list[dict] = []
 
     def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0, agreed: int | None = None,
-              cap: int | None = None) -> int:  # fmt: skip
+              cap: int | None = None) -> int:
         n_max = super().limit(source, n_max, context_len, match, agreed, cap)  # (the drafter's own cap)
         self.calls.append({"source": source, "n_max": n_max, "context_len": context_len, "match": match})
         self.agreed = agreed

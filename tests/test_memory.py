@@ -16,11 +16,13 @@ from hypothesis import strategies as st
 from conftest import load
 from fixtures.clock import VirtualClock
 from specli.decoding.drafters import PromptLookupDrafter
-from specli.decoding.engine import SpeculativeDecoder
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
 from specli.decoding.memory import Candidate, MemoryFileError, TokenMemory
 from specli.decoding.memory_drafter import MEMORY, MemoryDrafter, MemoryRecord, record_for, shared_prefix
 from specli.decoding.policy import FIXED, DraftJudge
 from specli.decoding.replay import CostTable, replay
+from specli.decoding.step import SpeculativeDecoder
 
 # --------------------------------------------------------------------------------------------
 # The reference: every place of every live document, by brute force
@@ -179,7 +181,7 @@ docs_strategy = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=40), m
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(docs=docs_strategy, pick=st.integers(0, 10**6), cut=st.integers(0, 40), noise=st.lists(st.integers(0, 4), max_size=4),
        max_len=st.integers(0, 12), min_match=st.integers(1, 5), max_tokens=st.sampled_from([15, 60, 1000]),
-       max_places=st.sampled_from([2, 64]), match_cap=st.sampled_from([6, 64]))  # fmt: skip
+       max_places=st.sampled_from([2, 64]), match_cap=st.sampled_from([6, 64]))
 def test_lookup_equals_a_brute_force_search(docs, pick, cut, noise, max_len, min_match, max_tokens, max_places, match_cap):
     memory = TokenMemory("t", max_tokens=max_tokens, min_match=min_match)
     memory.RECENT_MIN = 8
@@ -242,7 +244,7 @@ def test_a_smaller_bound_on_load_keeps_the_newest_documents():
     (lambda b: b[:5], "header"),
     (lambda b: b[:60] + bytes([b[60] ^ 1]) + b[61:], "digest"),
     (lambda b: b[:-20] + bytes([b[-20] ^ 0x40]) + b[-19:], "digest"),
-])  # fmt: skip
+])
 def test_damaged_data_is_refused(damage, message):
     with pytest.raises(MemoryFileError, match=message):
         TokenMemory.from_bytes(damage(saved()))
@@ -341,7 +343,7 @@ def test_memory_is_asked_only_when_the_context_has_no_match():
     assert drafter.last_source == MEMORY
     # Nothing anywhere: an empty proposal.
     assert drafter.propose([1, 2, 3, 4, 5], 4, judge).tokens == []
-    assert drafter.longest([1, 2, 3, 51, 52, 53, 54], 4) == [60, 61, 62, 63]
+    assert drafter.continuation([1, 2, 3, 51, 52, 53, 54], 4) == [60, 61, 62, 63]
 
 
 def test_the_evidence_is_the_best_candidates():
@@ -507,7 +509,7 @@ def target(pair_perturbed):
 
 
 def target_only(model, ids, max_tokens=40):
-    return SpeculativeDecoder(model, None, 0).generate(ids, max_tokens=max_tokens).run()
+    return generate(SpeculativeDecoder(model, None, 0), Request(ids, max_tokens=max_tokens)).run()
 
 
 @pytest.mark.parametrize("n_draft", [4, "auto"])
@@ -519,7 +521,7 @@ def test_output_equals_target_only_with_a_helpful_memory(target, n_draft):
         ids = target.tokenize(prompt)
         memory.add(ids + references[prompt].token_ids)  # as if asked before
         drafter = MemoryDrafter(memory)
-        gen = SpeculativeDecoder(target, drafter, n_draft).generate(ids, max_tokens=40).run()
+        gen = generate(SpeculativeDecoder(target, drafter, n_draft), Request(ids, max_tokens=40)).run()
         assert gen.token_ids == references[prompt].token_ids, (prompt, n_draft)
         d, a = gen.stats.by_source.get(MEMORY, [0, 0])
         drafted, accepted = drafted + d, accepted + a
@@ -550,7 +552,7 @@ def test_output_equals_target_only_with_a_memory_built_to_mislead(target, monkey
     for prompt in PROMPTS:
         ids = target.tokenize(prompt)
         drafter = MemoryDrafter(memory)
-        gen = SpeculativeDecoder(target, drafter, n_draft).generate(ids, max_tokens=40).run()
+        gen = generate(SpeculativeDecoder(target, drafter, n_draft), Request(ids, max_tokens=40)).run()
         assert gen.token_ids == references[prompt], (prompt, n_draft)
         d, a = gen.stats.by_source.get(MEMORY, [0, 0])
         drafted, accepted = drafted + d, accepted + a

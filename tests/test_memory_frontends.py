@@ -11,11 +11,12 @@ import pytest
 from conftest import load
 from fixtures.cli import GREEDY_ARGS, PROMPTS, assert_one_line_error, read_records, specli, write_jsonl
 from specli.decoding.drafters import PromptLookupDrafter, make_drafter
-from specli.decoding.engine import DecoderPool, SpeculativeDecoder
+from specli.decoding.loop import DecoderPool
 from specli.decoding.memory import TokenMemory
 from specli.decoding.memory_drafter import MEMORY, MemoryDrafter, drafter_with_memory
 from specli.decoding.parallel import ItemDone, ParallelRunner, run_sequential
 from specli.decoding.sampling import GREEDY
+from specli.decoding.step import SpeculativeDecoder
 from specli.session import batch
 from specli.session.loading import Loaded, Plan
 from test_serve_core import Collector, job_for, running
@@ -145,7 +146,7 @@ def test_an_idle_scheduler_calls_on_idle_again_when_asked(model):
         return 0.01
 
     scheduler = Scheduler(loaded_with_memory(model, TokenMemory()), n_seq=1, queue_limit=4, n_threads=1, kv_type="f32",
-                          flash_attn="off", on_idle=on_idle)  # fmt: skip
+                          flash_attn="off", on_idle=on_idle)
     with running(scheduler):
         assert done.wait(60)  # (a deadline, not a timing check)
         collector = Collector()

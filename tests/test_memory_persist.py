@@ -153,7 +153,7 @@ def test_chat_remembers_each_finished_turn(tmp_path, pair_perturbed):
     script = f"{PROMPTS[1]}\n{PROMPTS[1]}\n/exit\n"
     for n in (2, 4):  # a second chat reads the first's and adds its own
         result = specli("chat", "-m", target, "--lookup", "--memory", "persist", "--max-tokens", "20", *GREEDY_ARGS,
-                        stdin=script, env={"SPECLI_CACHE_DIR": str(cache)})  # fmt: skip
+                        stdin=script, env={"SPECLI_CACHE_DIR": str(cache)})
         assert result.returncode == 0, result.stderr
         saved = TokenMemory.from_bytes(memory_file(cache).read_bytes())
         assert saved.n_documents == n  # one per turn
@@ -168,7 +168,7 @@ def test_batch_saves_its_finished_items_and_a_second_batch_drafts_from_them(tmp_
     for name in ("first", "second"):
         out = tmp_path / f"{name}.jsonl"
         result = specli("batch", str(src), "-o", str(out), "-m", target, "--lookup", "--draft-max", "4", "--max-tokens", "24", "--memory", "persist",
-                        "--quiet", *GREEDY_ARGS, env={"SPECLI_CACHE_DIR": str(cache)})  # fmt: skip
+                        "--quiet", *GREEDY_ARGS, env={"SPECLI_CACHE_DIR": str(cache)})
         assert result.returncode == 0, result.stderr
         runs.append(read_records(out))
         assert TokenMemory.from_bytes(memory_file(cache).read_bytes()).n_documents == 3 * len(runs)

@@ -7,9 +7,8 @@ import json
 import pytest
 
 from fixtures import synthetic
-from specli.models.registry import load_registry
-
 from fixtures.cli import assert_one_line_error, specli
+from specli.models.registry import load_registry
 
 
 @pytest.fixture()

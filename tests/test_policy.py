@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -57,7 +56,7 @@ def test_always_accepted_means_the_longest_draft_when_drafting_is_cheap():
     (0.96, 0.0, cpu_cost, 16),
     # ... and at 50%: one draft gives 1.5 tokens for 24 ms (0.063/ms) < plain's 0.072/ms: 0.
     (0.5, 0.0, cpu_cost, 0),
-])  # fmt: skip
+])
 def test_best_length_matches_the_worked_optimum(alpha, t_draft, cost, expected_k):
     assert best_length([alpha] * 32, t_draft, cost) == expected_k
 
@@ -194,7 +193,7 @@ def test_a_new_reply_is_judged_afresh_on_its_short_context():
                 while n_accepted < k and rng.random() < 0.8:
                     n_accepted += 1
                 policy.observe(StepReport("sim" if k else None, k, n_accepted, None, 0.0, k + 1, cost(k + 1, context), None,
-                               None, context))  # fmt: skip
+                               None, context))
                 if k and first_draft is None:
                     first_draft = steps
                 context += n_accepted + 1
@@ -264,7 +263,7 @@ def test_calibration_moves_from_the_prior_to_what_the_target_accepted():
 
 
 def simulate(policy: AdaptivePolicy, accept_prob, steps: int, cost=FLAT, t_draft=0.0, seed=0,
-             confidence=None, trust=lambda c: c, totals=None, gap=0.0, tell_gap=True) -> list[int]:  # fmt: skip
+             confidence=None, trust=lambda c: c, totals=None, gap=0.0, tell_gap=True) -> list[int]:
     """Run the policy against a simulated target: each draft is accepted with accept_prob(step)
     (a draft model: with trust(its confidence)) until the first rejection; costs are what `cost`
     and `t_draft` say, a plain pass cost(1), and every step `gap` more (the loop's own time;
@@ -484,7 +483,7 @@ def test_a_draft_model_that_is_sure_and_wrong_is_left_alone(seed):
     relative_cpu = lambda n: cpu_cost(n) / cpu_cost(1)  # noqa: E731
     totals: dict = {}
     simulate(policy, None, 3000, t_draft=0.05, confidence=pick, trust=lambda c: 0.7 if c > 0.9 else 0.3,
-             cost=relative_cpu, totals=totals, seed=seed)  # fmt: skip
+             cost=relative_cpu, totals=totals, seed=seed)
     assert totals["tokens"] / totals["seconds"] >= 0.98  # plain decoding makes 1 token per unit
 
 
@@ -497,7 +496,7 @@ def test_a_draft_model_is_trusted_again_when_the_text_starts_to_pay():
         pick = lambda rng: 0.97 if rng.random() < 0.9 else 0.5  # noqa: E731
         relative_cpu = lambda n: cpu_cost(n) / cpu_cost(1)  # noqa: E731
         before = simulate(policy, None, 1000, t_draft=0.05, confidence=pick, trust=lambda c: 0.2, cost=relative_cpu,
-                          seed=seed)  # fmt: skip
+                          seed=seed)
         # Probing only, but for a longer draft after a probe accepted in full against the odds
         # (two sure tokens taken where one in five is: 4% of the probes).
         assert sum(1 for k in before[500:] if k > 2) <= 2

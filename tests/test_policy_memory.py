@@ -38,7 +38,7 @@ def busy(n: int) -> float:
 
 
 def run(saved: policy_store.Saved | None, cost, accept: float, steps: int = 160, utilization: float | None = 2.0,
-        seed: int = 0, match: int = 0) -> tuple[AdaptivePolicy, list[int], float]:  # fmt: skip
+        seed: int = 0, match: int = 0) -> tuple[AdaptivePolicy, list[int], float]:
     """One run of `steps` target passes of -n auto (lookup-like: free drafts), starting from
     `saved`. Returns the policy, the draft length of each step and the tokens per second."""
     policy = AdaptivePolicy(32)
@@ -54,7 +54,7 @@ def run(saved: policy_store.Saved | None, cost, accept: float, steps: int = 160,
         pass_s = cost(k + 1)
         cpu_s = None if utilization is None else utilization * pass_s
         policy.observe(StepReport("lookup" if k else None, k, n_accepted, None, 1e-5 * k, k + 1, pass_s, context_len=100 + tokens,
-                       gap_s=1e-4, cpu_s=cpu_s))  # fmt: skip
+                       gap_s=1e-4, cpu_s=cpu_s))
         lengths.append(k)
         tokens += n_accepted + 1
         seconds += 1e-5 * k + pass_s + 1e-4
@@ -216,7 +216,7 @@ GOOD = policy_store.to_json(
         passes={1: policy_store.Cost(0.01, 5, NOW), 3: policy_store.Cost(0.03, 4, NOW)}, saved_at=NOW,
         sources={"lookup": policy_store.SourceRecord(t_draft=policy_store.Cost(1e-5, 3, NOW), acceptance=[(2.0, 1.5)])},
     )
-)  # fmt: skip
+)
 
 
 def edited(path: str, value) -> str:

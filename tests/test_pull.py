@@ -236,7 +236,7 @@ def pull(env: dict, *args: str, **extra: str) -> subprocess.CompletedProcess:
 def assert_one_line_error(result, code: int, *fragments: str) -> str:
     assert result.returncode == code, (result.returncode, result.stderr)
     assert result.stdout == ""
-    lines = [l for l in result.stderr.splitlines() if l.startswith("specli: error: ")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("specli: error: ")]
     assert len(lines) == 1, result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
@@ -266,7 +266,8 @@ def test_pulled_pair_resolves_offline(hub, env):
     assert pull(env, "pair").returncode == 0
     check = subprocess.run(
         [sys.executable, "-c",
-         "from specli.models.registry import load_effective_registry, resolve_source as r;"
+         "from specli.models.names import resolve_source as r;"
+         "from specli.models.registry import load_effective_registry;"
          "e = load_effective_registry().get('pair'); print(r(e.target)); print(r(e.draft))"],
         capture_output=True, text=True, timeout=60, env={**env, "HF_HUB_OFFLINE": "1"},
     )

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from fixtures.helpers import detokenize
-from specli.llama.compat import check_compatible
 from specli.decoding.drafters import PromptLookupDrafter, _softmax_at
-from specli.errors import IncompatibleDraftError
-from specli.llama.model import VocabInfo, common_prefix_len
 from specli.decoding.stats import Stats
 from specli.decoding.text import TextStream
-from specli.decoding.verify import verify_greedy
+from specli.decoding.verifier import verify_greedy
+from specli.errors import IncompatibleDraftError
+from specli.llama.compat import check_compatible
+from specli.llama.model import VocabInfo, common_prefix_len
 from specli.modes import AUTO_MAX_DRAFT, MAX_DRAFT, DraftLength
 
 
@@ -247,7 +247,7 @@ def test_a_draft_length_reads_as_typed_and_writes_json_as_before():
     assert auto == DraftLength.auto() and four == DraftLength.fixed_at(4)
     assert (str(auto), str(four), str(off)) == ("auto", "4", "0")
     assert (auto.json_value, four.json_value, off.json_value) == ("auto", 4, 0)
-    assert (auto.longest, four.longest, off.longest) == (AUTO_MAX_DRAFT, 4, 0)
+    assert (auto.maximum, four.maximum, off.maximum) == (AUTO_MAX_DRAFT, 4, 0)
     assert auto.is_auto and not four.is_auto and off.is_off and not four.is_off
     assert len({DraftLength.auto(), auto, four, DraftLength.fixed_at(4)}) == 2  # a value: hashable, equal by content
 

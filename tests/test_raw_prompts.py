@@ -25,9 +25,10 @@ import llama_cpp
 import pytest
 
 from fixtures.cli import ONE, popen, specli, stop, write_jsonl
+from specli.llama.conversation import encode_conversation
 from specli.llama.model import LlamaModel
 from specli.llama.native import init_backend
-from specli.session.chat import choose_formatter, encode_conversation
+from specli.session.chat import choose_formatter
 
 # --- what llama.cpp makes of a text ----------------------------------------------------------------
 

@@ -17,13 +17,16 @@ import pytest
 
 from fixtures.helpers import greedy_gaps
 from specli.decoding.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
-from specli.decoding.engine import SpeculativeDecoder
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
 from specli.decoding.memory import TokenMemory
 from specli.decoding.memory_drafter import MemoryDrafter
 from specli.decoding.sampling import SamplingParams, probabilities
+from specli.decoding.step import SpeculativeDecoder
+from specli.llama.conversation import encode_conversation
 from specli.llama.model import LlamaModel
 from specli.llama.native import init_backend
-from specli.session.chat import choose_formatter, encode_conversation
+from specli.session.chat import choose_formatter
 from stats_check import chi_square_p_value
 
 pytestmark = [pytest.mark.real_pair, pytest.mark.slow]
@@ -41,7 +44,7 @@ RENDERED = [
       {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
      "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
      "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"),
-]  # fmt: skip
+]
 
 CODE = """Add type hints to this function and keep everything else as it is:
 
@@ -108,9 +111,9 @@ def test_greedy_output_is_the_targets_with_every_drafter(pair, name, tmp_path, m
     drafter = make()
     if name.startswith("memory"):
         # A memory holding this very answer, cut short and then changed: it must not change the output.
-        reference = SpeculativeDecoder(target, None, 0).generate(ids, max_tokens=48).run().token_ids
+        reference = generate(SpeculativeDecoder(target, None, 0), Request(ids, max_tokens=48)).run().token_ids
         drafter.memory.add([*ids, *reference[:20], *reversed(reference[20:])])
-    gen = SpeculativeDecoder(target, drafter, n_draft).generate(ids, max_tokens=48).run()
+    gen = generate(SpeculativeDecoder(target, drafter, n_draft), Request(ids, max_tokens=48)).run()
     assert len(gen.token_ids) == 48 or gen.stop_reason == "eos"
     if not name.endswith("auto"):
         assert gen.stats.drafted > 0  # (auto may rightly draft little on this CPU)
@@ -132,7 +135,7 @@ def test_sampling_with_the_draft_model_keeps_the_targets_law_for_the_first_token
     for seed in range(draws):  # (the prompt stays cached: each run's first pass is [last, d1, d2, d3])
         params = SamplingParams(**{**sampling.__dict__, "seed": seed})
         # (two tokens: a pass drafts at most the tokens still to make beyond its own)
-        gen = SpeculativeDecoder(target, DraftModelDrafter(draft), 3, params).generate(ids, max_tokens=2).run()
+        gen = generate(SpeculativeDecoder(target, DraftModelDrafter(draft), 3, params), Request(ids, max_tokens=2)).run()
         counts[gen.token_ids[0] if gen.token_ids else -1] += 1
         drafted += gen.stats.drafted
     assert drafted > 0

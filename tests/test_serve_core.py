@@ -11,8 +11,11 @@ import pytest
 
 from conftest import load
 from specli.decoding.drafters import make_drafter
-from specli.decoding.engine import STOP_INTERRUPTED, SpeculativeDecoder
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
 from specli.decoding.sampling import GREEDY, SamplingParams
+from specli.decoding.step import SpeculativeDecoder
+from specli.decoding.stopping import STOP_INTERRUPTED
 from specli.modes import DraftLength
 from specli.server import protocol
 from specli.server.protocol import CHAT, TEXT, ApiError, parse_request
@@ -42,7 +45,7 @@ def test_prompt_forms_and_chat_messages():
     assert parse_request({"prompt": [1, 2, 3]}, TEXT, DEFAULTS).prompt_ids == [1, 2, 3]
     req = parse_request({"messages": [{"role": "developer", "content": "be brief"},
                                       {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
-                        CHAT, DEFAULTS)  # fmt: skip
+                        CHAT, DEFAULTS)
     assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
 
 
@@ -59,7 +62,7 @@ def test_neutral_values_of_unsupported_fields_pass_and_others_are_refused():
     ({"prompt": "hi", "temperature": -1}, "temperature"), ({"prompt": "hi", "temperature": True}, "temperature"),
     ({"prompt": "hi", "top_k": 1.5}, "top_k"), ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "stop": ""}, "stop"), ({"prompt": "hi", "stop": ["a"] * 17}, "stop"), ({"prompt": "hi", "stream": "yes"}, "stream"),
-])  # fmt: skip
+])
 def test_bad_completion_fields_name_the_field(body, param):
     err = refused(body)
     assert err.status == 400 and err.param == param
@@ -67,7 +70,7 @@ def test_bad_completion_fields_name_the_field(body, param):
 
 
 @pytest.mark.parametrize("messages", [None, [], [{"role": "robot", "content": "x"}], [{"role": "user"}],
-                                      [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]])  # fmt: skip
+                                      [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]])
 def test_bad_messages_are_refused(messages):
     body = {} if messages is None else {"messages": messages}
     assert refused(body, CHAT).param == "messages"
@@ -124,13 +127,13 @@ def running(scheduler: Scheduler):
         scheduler.close()
 
 
-def loaded_for(model, mode="lookup", n_draft=4, sampling=GREEDY) -> Loaded:
-    decoder = SpeculativeDecoder(model, make_drafter(mode), n_draft, sampling)
+def loaded_for(model, mode="lookup", draft_length=4, sampling=GREEDY) -> Loaded:
+    decoder = SpeculativeDecoder(model, make_drafter(mode), draft_length, sampling)
     return Loaded(Plan(model.path, None, mode, decoder.draft_length, sampling), model, None, decoder)
 
 
 def job_for(model, prompt, max_tokens, collector, **kw) -> Job:
-    return Job(model.tokenize(prompt, add_bos=model.vocab_info().add_bos), max_tokens, kw.pop("sampling", GREEDY), emit=collector, **kw)
+    return Job(Request(model.tokenize(prompt, add_bos=model.vocab_info().add_bos), max_tokens, kw.pop("sampling", GREEDY), **kw), emit=collector)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +167,7 @@ def sequential(model, prompt, max_tokens, mode="lookup", draft=None):
     """The text of one generation on its own (greedy, N = 4)."""
     decoder = SpeculativeDecoder(model, make_drafter(mode, draft), 4, GREEDY)
     ids = model.tokenize(prompt, add_bos=model.vocab_info().add_bos)
-    return decoder.generate(ids, max_tokens=max_tokens).run().text
+    return generate(decoder, Request(ids, max_tokens=max_tokens)).run().text
 
 
 def submit_all(scheduler, model, max_tokens: list[int]) -> list:
@@ -275,7 +278,7 @@ def test_a_job_that_fails_is_answered_and_the_loop_goes_on(model):
     scheduler = Scheduler(loaded_for(model), n_seq=1, queue_limit=4, n_threads=1)
     with running(scheduler):
         too_long = Collector()
-        scheduler.submit(Job([1] * 300, 5, GREEDY, emit=too_long))  # longer than the 256-token context
+        scheduler.submit(Job(Request([1] * 300, 5, GREEDY), emit=too_long))  # longer than the 256-token context
         failed = too_long.result()
         assert isinstance(failed, Failed) and failed.status == 400 and "context" in failed.message
         ok = Collector()
@@ -286,7 +289,7 @@ def test_a_job_that_fails_is_answered_and_the_loop_goes_on(model):
 
 def test_sampled_jobs_replay_with_their_seed(model):
     sampling = SamplingParams(temperature=0.9)
-    scheduler = Scheduler(loaded_for(model, n_draft=3, sampling=sampling), n_seq=1, queue_limit=4, n_threads=1)
+    scheduler = Scheduler(loaded_for(model, draft_length=3, sampling=sampling), n_seq=1, queue_limit=4, n_threads=1)
     with running(scheduler):
         texts = []
         for _ in range(2):

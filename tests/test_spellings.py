@@ -86,7 +86,7 @@ def test_shell_completion(pair_perturbed):
 def test_batch_and_chat_take_the_same_spellings(pair_perturbed, tmp_path):
     target, draft = map(str, pair_perturbed)
     result = specli("batch", "-", "-m", target, "-md", draft, "-n", "3", "--draft-max", "2", *GREEDY, "-q",
-                    "--format", "text", stdin="Hello there\nOnce upon a time\n")  # fmt: skip
+                    "--format", "text", stdin="Hello there\nOnce upon a time\n")
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(records) == 2 and all(r["n_tokens"] <= 3 and r["n_draft"] == 2 for r in records)

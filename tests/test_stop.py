@@ -12,15 +12,17 @@ from pathlib import Path
 import pytest
 
 from conftest import load
+from fixtures.cli import assert_one_line_error, specli
 from specli.decoding.drafters import make_drafter
-from specli.decoding.engine import DecoderPool, SpeculativeDecoder
+from specli.decoding.generation import Request
+from specli.decoding.loop import DecoderPool, generate
 from specli.decoding.parallel import ItemDone, ParallelRunner, run_sequential
 from specli.decoding.sampling import GREEDY
+from specli.decoding.step import SpeculativeDecoder
 from specli.decoding.text import TextStream
 from specli.errors import UsageError
 from specli.llama.model import LlamaModel
 from specli.session import batch
-from fixtures.cli import assert_one_line_error, specli
 
 # Drafts of several tokens, all accepted: a draft model identical to the target. (Prompt lookup on
 # a repetitive prompt drafts next to nothing here: the random fixture model does not continue it.)
@@ -59,7 +61,7 @@ def drafted_run(models, prompt: str, stop=(), max_tokens: int = MAX_TOKENS):
     """A greedy run with the identical draft model and a fixed draft length: the generation and its steps."""
     model_tgt, model_dft = models
     decoder = SpeculativeDecoder(model_tgt, make_drafter("draft-model", model_dft), N_DRAFT)
-    gen = decoder.generate(model_tgt.tokenize(prompt), max_tokens=max_tokens, stop=stop)
+    gen = generate(decoder, Request(model_tgt.tokenize(prompt), max_tokens=max_tokens, stop=stop))
     return gen, list(gen)
 
 
@@ -121,7 +123,7 @@ def test_a_stop_string_spanning_two_tokens_is_held_back_then_cut(target):
     """Target-only, one token per step: the stop string's first part arrives a step before the
     rest, and must not be streamed meanwhile."""
     ids = target.tokenize("Once upon a time, in a small village, there lived")
-    unstopped = SpeculativeDecoder(target, None, 0).generate(ids, max_tokens=MAX_TOKENS).run()
+    unstopped = generate(SpeculativeDecoder(target, None, 0), Request(ids, max_tokens=MAX_TOKENS)).run()
     starts, text = token_starts(target, unstopped.token_ids)
     for i in range(len(starts) - 2):
         if starts[i + 1] - starts[i] >= 2 and starts[i + 2] > starts[i + 1]:
@@ -132,7 +134,7 @@ def test_a_stop_string_spanning_two_tokens_is_held_back_then_cut(target):
     else:
         pytest.fail("no two tokens to span")
 
-    gen = SpeculativeDecoder(target, None, 0).generate(ids, max_tokens=MAX_TOKENS, stop=[stop])
+    gen = generate(SpeculativeDecoder(target, None, 0), Request(ids, max_tokens=MAX_TOKENS, stop=[stop]))
     streamed = []
     for step in gen:
         streamed.append(step.text)
@@ -158,7 +160,7 @@ def test_a_stop_string_that_never_completes_changes_nothing(identical):
 
 def test_an_empty_stop_string_is_refused(target):
     with pytest.raises(UsageError, match="stop needs non-empty text"):
-        SpeculativeDecoder(target, None, 0).generate(target.tokenize("hi"), max_tokens=4, stop=["x", ""])
+        generate(SpeculativeDecoder(target, None, 0), Request(target.tokenize("hi"), max_tokens=4, stop=["x", ""]))
 
 
 def test_parallel_equals_sequential_with_stop_strings(pair_perturbed):
@@ -189,7 +191,7 @@ def _generate(events) -> dict:
     return {
         e.item.id: (e.generation.token_ids, e.generation.stop_reason, e.generation.text) if e.error is None else e.error
         for e in events if isinstance(e, ItemDone)
-    }  # fmt: skip
+    }
 
 
 # --- the command line ------------------------------------------------------------------------------
@@ -249,7 +251,7 @@ def test_batch_stop_per_item_and_from_the_command_line(tmp_path, pair_perturbed)
         {"id": "number", "prompt": prompts[0], "stop": 5},
         {"id": "mixed", "prompt": prompts[0], "stop": ["a", 3]},
         {"id": "empty", "prompt": prompts[0], "stop": ""},
-    ])  # fmt: skip
+    ])
     records = {}
     for parallel in ("1", "2"):
         result = specli("batch", str(src), *common, "--stop", stops[0], "--parallel", parallel)
@@ -288,7 +290,8 @@ def test_plain_chat_replies_stop_at_the_next_user_turn(pair_perturbed, monkeypat
     --stop's strings); a template ends a turn with its own end-of-generation token."""
     from specli.cli.render import stream_generation, summary_line
     from specli.session.chat import PLAIN, ChatOptions, ChatSession, Formatter
-    from specli.session.loading import ModelChoice, load as load_pair, plan
+    from specli.session.loading import ModelChoice, plan
+    from specli.session.loading import load as load_pair
 
     assert Formatter(None, PLAIN).stop == ("\nUser:",)
     assert Formatter("chatml", "chatml").stop == ()
@@ -296,12 +299,14 @@ def test_plain_chat_replies_stop_at_the_next_user_turn(pair_perturbed, monkeypat
     loaded = load_pair(plan(choice), choice)
     try:
         asked = []
-        generate = loaded.decoder.generate
-        monkeypatch.setattr(loaded.decoder, "generate", lambda ids, **kw: asked.append(kw["stop"]) or generate(ids, **kw))
+        from specli.session import chat
+
+        real = chat.generate
+        monkeypatch.setattr(chat, "generate", lambda decoder, request: asked.append(tuple(request.stop)) or real(decoder, request))
         out = io.StringIO()
         options = ChatOptions(max_tokens=8, quiet=True, stop=("END",))
         session = ChatSession(loaded, Formatter(None, PLAIN), options, out=out, err=io.StringIO(),
-                              stream_generation=stream_generation, summary_line=summary_line)  # fmt: skip
+                              stream_generation=stream_generation, summary_line=summary_line)
         session.turn("hi")
         assert asked == [("\nUser:", "END")]
         assert out.getvalue().endswith("\n") and session.messages[-1]["role"] == "assistant"

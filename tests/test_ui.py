@@ -42,7 +42,7 @@ def big_stats():
     from specli.decoding.stats import Stats
 
     return Stats(n_tokens=1234567, decided=1234567, drafted=9876543, accepted=8765432, target_passes=123456, prompt_tokens=123456,
-                 prompt_s=12345.67, draft_s=12345.67, verify_s=123456.78, generation_s=123456.78)  # fmt: skip
+                 prompt_s=12345.67, draft_s=12345.67, verify_s=123456.78, generation_s=123456.78)
 
 
 def test_the_summary_fits_the_terminal_and_breaks_only_between_words():

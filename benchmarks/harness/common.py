@@ -18,7 +18,7 @@ DEFAULT_OUT = Path(os.environ.get("SPECLI_BENCH_OUT", "/tmp/specli-bench"))
 
 # Spec-Bench's categories in its leaderboard's order.
 ORDER = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
-         "translation", "summarization", "qa", "math_reasoning", "rag"]  # fmt: skip
+         "translation", "summarization", "qa", "math_reasoning", "rag"]
 
 
 def log(msg: str) -> None:

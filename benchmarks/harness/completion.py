@@ -107,7 +107,7 @@ def _usable(path: Path, min_lines: int) -> bool:
 
 
 def cut_holes(found: list[Project], n_holes: int, *, seed: int = 0, prefix_lines: int = 32, suffix_lines: int = 8,
-              chunk_lines: int = 16) -> list[Hole]:  # fmt: skip
+              chunk_lines: int = 16) -> list[Hole]:
     """n_holes holes, spread evenly over the projects, grouped by project (an editing session per
     project: its two extra files stay the same), each a span of 1-5 lines whose first line holds
     code. Seeded: the same arguments cut the same holes."""
@@ -146,7 +146,7 @@ def cut_holes(found: list[Project], n_holes: int, *, seed: int = 0, prefix_lines
                 expected="".join(lines[start : start + n])[len(indent):],
                 prefix="".join(lines[max(0, start - prefix_lines) : start]),
                 suffix="".join(lines[start + n : start + n + suffix_lines]), extra=extra,
-            ))  # fmt: skip
+            ))
     return holes
 
 
@@ -156,7 +156,7 @@ def infill_body(hole: Hole, n_predict: int) -> dict:
         "input_prefix": hole.prefix, "input_suffix": hole.suffix, "input_extra": hole.extra, "prompt": hole.indent,
         "n_indent": len(hole.indent.expandtabs(4)), "n_predict": n_predict, "temperature": 0, "top_k": 40, "top_p": 0.99,
         "stream": False, "cache_prompt": True,
-    }  # fmt: skip
+    }
 
 
 # --- configurations ----------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def ask(server: native.Server, hole: Hole, n_predict: int) -> dict:
         "prompt_n": int(t.get("prompt_n") or 0), "cache_n": int(t.get("cache_n") or 0),
         "prompt_ms": float(t.get("prompt_ms") or 0.0), "predicted_ms": float(t.get("predicted_ms") or 0.0),
         "wall_s": wall, "speculative": data.get("speculative"),
-    }  # fmt: skip
+    }
 
 
 def run_config(config: Config, pair: models.Pair, holes: list[Hole], args, work: Path) -> list[dict]:
@@ -261,7 +261,7 @@ def figures(records: list[dict], baseline: list[dict] | None, other: list[dict] 
         "ttft_ms_median": statistics.median(r["prompt_ms"] for r in records) if records else float("nan"),
         "tokens_per_s": n / gen_s if gen_s > 0 else float("nan"),
         "wall_s": sum(r["wall_s"] for r in records),
-    }  # fmt: skip
+    }
     if baseline is not None:
         same = {r["hole"]: r["text"] for r in baseline}
         out["equal_to_target_only"] = sum(r["text"] == same.get(r["hole"]) for r in records)
@@ -293,9 +293,9 @@ def report(results: dict[str, list[dict]], conf: list[Config], split: str) -> di
         if "equal_to_llama_server_plain" in f:
             equal += f" ({f['equal_to_llama_server_plain']} = llama-server's)"
         rows.append([name, _cell(f["tokens_per_pass"], ".2f"), _cell(f["acceptance"], ".0%"), _cell(f["ttft_ms_median"], ".0f"),
-                     _cell(f["tokens_per_s"], ".1f"), _cell(f["wall_s"], ".1f"), equal])  # fmt: skip
+                     _cell(f["tokens_per_s"], ".1f"), _cell(f["wall_s"], ".1f"), equal])
     table(["configuration", "tokens/pass", "accepted", "TTFT ms (median)", "tok/s", "wall s", "= target-only"], rows,
-          title=f"/infill, {split} holes ({n_holes}):")  # fmt: skip
+          title=f"/infill, {split} holes ({n_holes}):")
     paired = []
     for what, mine, theirs in PAIRS:
         if mine in figs and theirs in figs:
@@ -303,10 +303,10 @@ def report(results: dict[str, list[dict]], conf: list[Config], split: str) -> di
             paired.append([what, f"{_cell(a['tokens_per_pass'], '.2f')} / {_cell(b['tokens_per_pass'], '.2f')}",
                            f"{_cell(a['ttft_ms_median'], '.0f')} / {_cell(b['ttft_ms_median'], '.0f')}",
                            f"{_cell(a['tokens_per_s'], '.1f')} / {_cell(b['tokens_per_s'], '.1f')}",
-                           _cell(a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None, ".2f")])  # fmt: skip
+                           _cell(a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None, ".2f")])
     if paired:
         table(["drafting", "tokens/pass specli / llama-server", "TTFT ms", "tok/s", "tok/s specli ÷ llama-server"], paired,
-              title=f"paired, {split} holes:")  # fmt: skip
+              title=f"paired, {split} holes:")
     return figs
 
 
@@ -317,15 +317,15 @@ def windows(line: int, path: str = "src/specli/decoding/drafters.py", extra: str
     inserted above it. Moving down moves the window's start, so the common prefix with the
     slot's cache ends after the extra context: --cache-reuse moves the rest instead."""
     text, chunk = (subprocess.run(["git", "show", f"HEAD:{p}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-                   for p in (path, extra))  # fmt: skip
+                   for p in (path, extra))
     lines = text.splitlines(keepends=True)
     edited = lines[: line + 1] + ["        x = compute(x)  # an edit above the cursor\n"] + lines[line + 1 :]
     out = []
     for name, ls, at in (("cold", lines, line), ("same again", lines, line), ("3 lines down", lines, line + 3),
-                         ("line inserted above", edited, line + 4)):  # fmt: skip
+                         ("line inserted above", edited, line + 4)):
         col = len(ls[at]) - len(ls[at].lstrip())
         out.append(Hole(name, "specli", "python", "dev", path, at + 1, 1, ls[at][:col], "", "".join(ls[max(0, at - 256) : at]),
-                        ls[at][col:] + "".join(ls[at + 1 : at + 64]), [{"filename": extra, "text": chunk}]))  # fmt: skip
+                        ls[at][col:] + "".join(ls[at + 1 : at + 64]), [{"filename": extra, "text": chunk}]))
     return out
 
 
@@ -341,7 +341,7 @@ def cache_reuse(pair: models.Pair, args, work: Path) -> dict:
                 records[config.name] = [ask(server, hole, 16) for hole in windows(args.line)]
             rows += [[config.name, r["hole"], f"{r['prompt_ms']:.0f}", r["cache_n"], r["prompt_n"], f"{r['wall_s']:.2f}"] for r in records[config.name]]
     table(["server", "request", "TTFT ms (prompt_ms)", "cache_n", "prompt_n", "wall s"], rows,
-          title=f"an editor's moving window, --cache-reuse 0 and {args.cache_reuse}")  # fmt: skip
+          title=f"an editor's moving window, --cache-reuse 0 and {args.cache_reuse}")
     return records
 
 
@@ -381,7 +381,7 @@ def main(args) -> int:
     if len(found) < 3 or len(languages) < 2:
         raise SystemExit(f"need three projects in two languages; found {[p.name for p in found]} (--c-source: the llama.cpp source)")
     holes = cut_holes(found, args.holes, seed=args.seed, prefix_lines=args.prefix_lines, suffix_lines=args.suffix_lines,
-                      chunk_lines=args.chunk_lines)  # fmt: skip
+                      chunk_lines=args.chunk_lines)
     log(f"{len(holes)} holes: {sum(h.split == 'dev' for h in holes)} dev, {sum(h.split == 'check' for h in holes)} check")
     if args.list:
         for h in holes:

@@ -55,12 +55,12 @@ def measure(target: Path, draft: Path | None, out: Path, *, threads: int, sample
     models = [LlamaModel(Path(p), n_ctx=1024, n_threads=threads) for p in (target, draft) if p is not None]
     try:
         costs = measure_passes(models[0], models[1] if draft is not None else None, widths=tuple(range(1, 66)),
-                               samples=samples, depth=depth)  # fmt: skip
+                               samples=samples, depth=depth)
     finally:
         for model in models:
             model.close()
     payload = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "threads": threads, "depth": costs.depth,
-               "target": {str(n): s for n, s in costs.target_s.items()}}  # fmt: skip
+               "target": {str(n): s for n, s in costs.target_s.items()}}
     log("target: " + ", ".join(f"T({n}) {costs.target_s[n] * 1e3:.1f} ms" for n in (1, 2, 4, 8, 16, 32, 65) if n in costs.target_s))
     if costs.draft_s is not None:
         payload["draft"] = {"1": costs.draft_s}

@@ -68,7 +68,7 @@ def main(args) -> int:
     pair = models.by_name(args.model)
     if args.stage == "texts":
         rows = texts.generate(items_of(args, pair), pair.target, texts_path(args), chat=pair.chat,
-                              max_tokens=args.max_tokens, threads=args.threads)  # fmt: skip
+                              max_tokens=args.max_tokens, threads=args.threads)
         log(f"{len(rows)} texts in {texts_path(args)}")
         return 0
     if args.stage == "costs":
@@ -130,7 +130,7 @@ def wall_configs(pair, n: int) -> dict[str, tuple[str, tuple[str, ...]]]:
     if pair.draft is not None:
         d = str(pair.draft)
         out.update({"specli draft auto": ("specli", ("-md", d)), "specli hybrid auto": ("specli", ("-md", d, "--lookup")),
-                    f"specli draft {n}": ("specli", ("-md", d, "--draft-max", str(n)))})  # fmt: skip
+                    f"specli draft {n}": ("specli", ("-md", d, "--draft-max", str(n)))})
     else:
         out[f"specli lookup {n}"] = ("specli", ("--lookup", "--draft-max", str(n)))
     out["native plain"] = ("native", native.NATIVE_PLAIN)
@@ -158,7 +158,7 @@ def wall(args, pair, rows: list[dict]) -> int:
                 jobs.append(native.Job((row["id"], name), "specli", cmd))
             else:
                 cmd = native.spec_simple_cmd(pair.target, *opts, prompt_file=native.prompt_file(folder, row["id"], row["prompt"]),
-                                             max_tokens=args.max_tokens, threads=args.threads)  # fmt: skip
+                                             max_tokens=args.max_tokens, threads=args.threads)
                 jobs.append(native.Job((row["id"], name), "spec-simple", cmd, prompt=row["prompt"], max_tokens=args.max_tokens))
     log(f"{len(chosen)} prompts x {len(conf)} configurations x {args.rounds} rounds")
     results, failures = native.rounds(jobs, args.rounds)
@@ -185,7 +185,7 @@ def wall(args, pair, rows: list[dict]) -> int:
             sp = [v for v in (ratio(i, name, plain) for i in ids) if v]
             # (specli's decided tokens count the end-of-generation token its pass decided, as native's log does)
             tpp = [(best[(i, name)].get("decided") or best[(i, name)]["tokens"]) / best[(i, name)]["passes"]
-                   for i in ids if (i, name) in best and best[(i, name)].get("passes")]  # fmt: skip
+                   for i in ids if (i, name) in best and best[(i, name)].get("passes")]
             cells.append(f"{gm_cell(sp, suffix='x')} / {gmean(tpp):.2f}" if sp else "-")
         vs = [ratio(i, "specli lookup auto", max(natives, key=lambda n: best.get((i, n), {}).get("tps") or 0)) for i in ids]
         cells.append(gm_cell([v for v in vs if v]))
@@ -198,9 +198,9 @@ def wall(args, pair, rows: list[dict]) -> int:
         head += [f"draft {args.n} / native draft-simple {args.n}", "specli plain / native plain"]
     table(head, rows_out, f"## wall clock: {args.model} {set_name(args)}, {len(chosen)} prompts, {args.rounds} rounds, "
           f"{args.max_tokens} tokens, {args.threads} threads: speedup over the same side's plain decoding, geometric mean "
-          "[min-max] / tokens per target pass; ratios per prompt")  # fmt: skip
+          "[min-max] / tokens per target pass; ratios per prompt")
     same = sum(1 for (i, n), r in best.items() if n.startswith("specli") and r.get("text") is not None
-               and (i, "specli plain") in best and r["text"] == best[(i, "specli plain")]["text"])  # fmt: skip
+               and (i, "specli plain") in best and r["text"] == best[(i, "specli plain")]["text"])
     total = sum(1 for (i, n) in best if n.startswith("specli"))
     print(f"specli texts equal to its plain run's: {same} of {total}; failed runs: {len(failures)}")
     for f in failures:
@@ -212,7 +212,6 @@ def sweep(args, pair, rows: list[dict]) -> int:
     """Each policy constant at half and double its value, replayed under both tables: the
     geometric-mean modelled speedup of every auto configuration, per category and overall,
     against the baseline's. Prints each constant's largest relative change."""
-    import importlib
 
     from harness import replaying
     from harness.common import category_order, gmean, table
@@ -263,7 +262,7 @@ def sweep(args, pair, rows: list[dict]) -> int:
             moves[factor] = (got[worst] / base[worst] - 1, worst, got[overall] / base[overall] - 1, overall)
         big = max((abs(m[0]) for m in moves.values()), default=0.0)
         results.append({"name": name, "value": value, "moves": {str(f): [m[0], list(m[1]), m[2], list(m[3])] for f, m in moves.items()},
-                        "largest": big, "largest_overall": max((abs(m[2]) for m in moves.values()), default=0.0)})  # fmt: skip
+                        "largest": big, "largest_overall": max((abs(m[2]) for m in moves.values()), default=0.0)})
         log(f"{name} = {value}: " + ", ".join(f"x{f}: {m[0]:+.3%} ({' / '.join(m[1])}), all {m[2]:+.3%}" for f, m in moves.items()))
     if not args.noise:
         write_json(Path(args.out) / args.model / f"sweep-{set_name(args)}-{args.split}.json", results)
@@ -274,8 +273,8 @@ def sweep(args, pair, rows: list[dict]) -> int:
 
     rows_out = [[r["name"], r["value"], cell(r, "0.5", 0), cell(r, "2.0", 0), cell(r, "0.5", 2), cell(r, "2.0", 2),
                  "rule" if r["largest"] > args.sweep_noise else "no effect"]
-                for r in sorted(results, key=lambda r: -r["largest"])]  # fmt: skip
+                for r in sorted(results, key=lambda r: -r["largest"])]
     title = f"## sweep: {args.model} {set_name(args)} ({args.split}), {len(rows)} texts" + (f", told noise {args.noise}" if args.noise else "")
     table(["constant", "value", "x0.5: largest change (table / config / category)", "x2", "x0.5: largest overall (table / config)",
-           "x2 overall", f"over {args.sweep_noise:.1%}?"], rows_out, title)  # fmt: skip
+           "x2 overall", f"over {args.sweep_noise:.1%}?"], rows_out, title)
     return 0

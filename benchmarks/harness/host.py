@@ -33,6 +33,8 @@ import numpy as np
 
 from harness import models, native, synthetic
 from harness.common import DEFAULT_OUT, HERE, log, table, write_json
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
 
 P_MIN = 0.75
 
@@ -57,14 +59,14 @@ def yardstick(args) -> None:
 
     def spec_simple(key, target, spec, name):
         return native.Job(key, "spec-simple", native.spec_simple_cmd(target, *spec, prompt_file=files[name], max_tokens=m, threads=t),
-                          texts[name], m)  # fmt: skip
+                          texts[name], m)
 
     jobs = []
     for name in texts:
         at = ("gemma", name)
         jobs += [native.Job((*at, "llama-bench"), "llama-bench", native.llama_bench_cmd(gemma, max_tokens=m, threads=t, depth=depth[name])),
                  native.Job((*at, "specli plain"), "specli", specli(gemma, ["--target-only"], name)),
-                 spec_simple((*at, "native plain"), gemma, native.NATIVE_PLAIN, name)]  # fmt: skip
+                 spec_simple((*at, "native plain"), gemma, native.NATIVE_PLAIN, name)]
     n, name = args.n, next(iter(texts))
     for label in [p for p in args.pairs.split(",") if p]:
         pair, at = synthetic.cost_pair(label), (label, name)
@@ -75,7 +77,7 @@ def yardstick(args) -> None:
                  spec_simple((*at, "native plain"), pair.target, native.NATIVE_PLAIN, name),
                  spec_simple((*at, f"native N={n}"), pair.target, [*draft_simple, "--spec-draft-n-max", str(n)], name),
                  spec_simple((*at, f"native p-min {P_MIN}"), pair.target, [*draft_simple, "--spec-draft-n-max", "16",
-                                                                           "--spec-draft-p-min", str(P_MIN)], name)]  # fmt: skip
+                                                                           "--spec-draft-p-min", str(P_MIN)], name)]
     results, failures = native.rounds(jobs, args.rounds)
     best: dict[tuple, dict] = {}
     for r in results:
@@ -95,16 +97,16 @@ def yardstick(args) -> None:
     table(["prompt (tokens)", "specli --target-only", "native plain", "llama-bench -d", "specli / llama-bench", "specli / native plain"],
           [[f"{p} ({depth[p]})", *[ratio(tps("gemma", p, c), spec=".1f") for c in ("specli plain", "native plain", "llama-bench")],
             ratio(tps("gemma", p, "specli plain"), tps("gemma", p, "llama-bench")), ratio(tps("gemma", p, "specli plain"), tps("gemma", p, "native plain"))] for p in texts],
-          title=f"Plain decoding, Gemma 3 270M Q4_K_M, {m} tokens, -t {t}, best of {args.rounds} round(s), tok/s")  # fmt: skip
+          title=f"Plain decoding, Gemma 3 270M Q4_K_M, {m} tokens, -t {t}, best of {args.rounds} round(s), tok/s")
     rows = []
     for label in [p for p in args.pairs.split(",") if p]:
         at = (label, name)
         sp = {c: (tps(*at, c) or 0) / (tps(*at, "specli plain") or float("inf")) for c in (f"specli N={n}", "specli auto")}
         nat = {c: (tps(*at, c) or 0) / (tps(*at, "native plain") or float("inf")) for c in (f"native N={n}", f"native p-min {P_MIN}")}
         rows.append([label, *[f"{v:.2f}x ({acc(*at, c)})" for c, v in {**sp, **nat}.items()],
-                     ratio(sp[f"specli N={n}"], nat[f"native N={n}"]), ratio(sp["specli auto"], max(nat.values()))])  # fmt: skip
+                     ratio(sp[f"specli N={n}"], nat[f"native N={n}"]), ratio(sp["specli auto"], max(nat.values()))])
     table(["pair", f"specli N={n}", "specli auto", f"native n-max {n}", f"native p-min {P_MIN}", "ratio at N", "auto / best native"], rows,
-          title=f"Draft models ({name}): speedup over each side's own plain decoding (acceptance)")  # fmt: skip
+          title=f"Draft models ({name}): speedup over each side's own plain decoding (acceptance)")
     for failure in failures:
         print(f"FAILED: {failure.splitlines()[0][:300]}")
     write_json(work / "yardstick.json", {"settings": vars(args), "runs": [{**r, "key": list(r["key"])} for r in results]})
@@ -167,7 +169,7 @@ def gemma_rows(n_rows: int) -> np.ndarray:
 
     model, rng, rows = LlamaModel(models.gemma().target, n_ctx=1024), make_rng(0), []
     for prompt in ("def fibonacci(n):\n", "Once upon a time, in a village by the sea,", "Shopping list:\n1. eggs\n2. milk\n3.",
-                   "The capital of France is Paris. The capital of Germany is", '{"name": "Alice", "age": 30, "city":'):  # fmt: skip
+                   "The capital of France is Paris. The capital of Germany is", '{"name": "Alice", "age": 30, "city":'):
         model.truncate(0)
         context = model.tokenize(prompt)
         logits = model.eval(context)[-1]
@@ -189,11 +191,11 @@ def baseline_chain(src: str):
 
 def overhead(args) -> None:
     from specli.decoding.drafters import DraftModelDrafter
-    from specli.decoding.engine import SpeculativeDecoder
     from specli.decoding.sampling import GREEDY, SamplingParams, distribution
+    from specli.decoding.step import SpeculativeDecoder
 
     settings = {"default (k40 p0.95 m0.05 T0.8)": SamplingParams(), "min-p off": SamplingParams(min_p=0.0),
-                "top-k off": SamplingParams(top_k=0), "greedy": GREEDY}  # fmt: skip
+                "top-k off": SamplingParams(top_k=0), "greedy": GREEDY}
     chains = {"": distribution, **({", baseline": baseline_chain(args.baseline_src)} if args.baseline_src else {})}
     pools = [(v, logit_pool(v, args.rows)) for v in args.vocab] + ([("gemma", gemma_rows(args.gemma))] if args.gemma else [])
     row_ms: dict[tuple, list[float]] = {}
@@ -214,7 +216,7 @@ def overhead(args) -> None:
             for k, temp in ((k, t) for k in args.draft for t in args.temperature):
                 target, draft = FakeModel(pool), FakeModel(pool, noise)
                 sampling = GREEDY if temp == 0 else SamplingParams(temperature=temp, seed=r)
-                steps = iter(SpeculativeDecoder(target, DraftModelDrafter(draft), k, sampling).generate([1, 2, 3, 4], max_tokens=10**9))
+                steps = iter(generate(SpeculativeDecoder(target, DraftModelDrafter(draft), k, sampling), Request([1, 2, 3, 4], max_tokens=10**9)))
                 next(steps)  # the first step does one-off work
                 target.eval_s = draft.eval_s = 0.0
                 t0 = time.perf_counter()
@@ -228,7 +230,7 @@ def overhead(args) -> None:
 
     table(["vocab", "setting", "ms per row"], [[*k, cell(v)] for k, v in row_ms.items()], title="sampler chain, median [min .. max] over rounds")
     table(["vocab", "draft", "temperature", "host ms per step"], [[*k, cell(v)] for k, v in step_ms.items()],
-          title="host work per step outside the passes")  # fmt: skip
+          title="host work per step outside the passes")
     write_json(Path(args.out) / "host" / "overhead.json", {"rows": [[*k, v] for k, v in row_ms.items()], "steps": [[*k, v] for k, v in step_ms.items()]})
 
 
@@ -238,7 +240,7 @@ def profile(args) -> None:
     import pstats
 
     from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
-    from specli.decoding.engine import SpeculativeDecoder
+    from specli.decoding.step import SpeculativeDecoder
     from specli.llama.model import LlamaModel
     from specli.llama.native import init_backend
 
@@ -247,11 +249,11 @@ def profile(args) -> None:
     target, draft = (LlamaModel(path, n_ctx=4096, n_threads=args.threads) for _ in range(2))  # itself as draft: all accepted
     ids = target.tokenize((HERE.parent / "prompts" / "code-typehints.txt").read_text(encoding="utf-8"), add_bos=True)
     for label, drafter, n in (("target-only", None, 0), ("lookup -n 16", PromptLookupDrafter(), 16), ("lookup -n auto", PromptLookupDrafter(), "auto"),
-                              ("draft model (itself) -n 4", DraftModelDrafter(draft), 4)):  # fmt: skip
+                              ("draft model (itself) -n 4", DraftModelDrafter(draft), 4)):
         decoder = SpeculativeDecoder(target, drafter, n)
-        decoder.generate(ids, max_tokens=8).run()  # warm-up
+        generate(decoder, Request(ids, max_tokens=8)).run()  # warm-up
         prof = cProfile.Profile()
-        gen = prof.runcall(lambda: decoder.generate(ids, max_tokens=args.max_tokens).run())
+        gen = prof.runcall(lambda: generate(decoder, Request(ids, max_tokens=args.max_tokens)).run())  # noqa: B023 (called at once)
         own = {(f.split("/")[-1], name): tt for (f, _, name), (_, _, tt, _, _) in pstats.Stats(prof).stats.items()}
         decode = sum(tt for (_, name), tt in own.items() if name == "_decode_chunk") / (gen.stats.generation_s + gen.stats.prompt_s)
         print(f"{label}: {gen.stats.tokens_per_s:.1f} tok/s, {gen.stats.target_passes} target passes; llama_decode {decode:.1%} of the time")

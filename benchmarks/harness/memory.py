@@ -56,7 +56,7 @@ def written_rows(tokenize) -> dict[str, list[dict]]:
         cut = text.rfind(" ", 0, cut) if " " in text[:cut] else cut
         pairs["prose"].append((text[:cut], text[cut:]))
     return {name: [{"id": f"{name}{i}", "category": name, "split": "dev", "prompt_ids": tokenize(p, add_bos=True),
-                    "output_ids": tokenize(o, add_bos=False)} for i, (p, o) in enumerate(ps)] for name, ps in pairs.items()}  # fmt: skip
+                    "output_ids": tokenize(o, add_bos=False)} for i, (p, o) in enumerate(ps)] for name, ps in pairs.items()}
 
 
 def question_order(rows: list[dict]) -> list[dict]:
@@ -131,7 +131,7 @@ def serve_report(rows: list[dict], workloads: list[str], sides: list[str]) -> No
                     aggs[side] = {"tpp": n / passes if passes else None, "tps": n / wall}
                     lines.append([w, side, len(rs), n, f"{sum(r['accepted'] for r in rs)}/{sum(r['drafted'] for r in rs)}",
                                   f"{aggs[side]['tpp']:.2f}", f"{aggs[side]['tps']:.1f}",
-                                  f"{sum(ref.get(r['id']) == r['text'] for r in rs)}/{len(rs)}" if ref else "-"])  # fmt: skip
+                                  f"{sum(ref.get(r['id']) == r['text'] for r in rs)}/{len(rs)}" if ref else "-"])
             cells = [w, part]
             for key in ("tpp", "tps"):
                 mine = best(aggs, lambda s: s.startswith("specli-") and s != "specli-plain", key)
@@ -143,10 +143,10 @@ def serve_report(rows: list[dict], workloads: list[str], sides: list[str]) -> No
                     cells.append(f"{mine[0] / other[0]:.2f} ({'met' if mine[0] / other[0] >= goal else 'missed'})" if mine and other else "-")
             ratios.append(cells)
         table(["workload", "side", "requests", "tokens", "accepted/drafted", "tokens/pass", "tok/s", "= llama-server plain"], lines,
-              title=f"{part} part:")  # fmt: skip
+              title=f"{part} part:")
     table(["workload", "part", "specli tokens/pass", "native n-gram", "ratio (>= 1.5)", "vs plain (>= 2)", "specli tok/s",
            "native n-gram", "ratio (>= 1.5)", "vs plain (>= 2)"], ratios, title="best specli lookup side against the best "
-          "llama-server n-gram side and plain:")  # fmt: skip
+          "llama-server n-gram side and plain:")
     checked = [r for r in rows if (r["speculative"] or {}).get("target_passes") is not None]
     bad = [r["id"] for r in checked if r["speculative"]["target_passes"] != r["passes"]]
     print(f"specli's target passes = tokens - accepted: {len(checked) - len(bad)}/{len(checked)} requests" + (f"; not: {bad[:12]}" if bad else ""))
@@ -170,7 +170,7 @@ def serve(args) -> None:
 def add_arguments(ap) -> None:
     ap.add_argument("stage", choices=["replay", "serve"])
     ap.add_argument("--texts", action="append", default=[], help="replay: a texts-*.jsonl of `drafting texts` (repeatable) "
-                    "instead of the written workloads")  # fmt: skip
+                    "instead of the written workloads")
     ap.add_argument("--n", default="8,16", help="replay: fixed draft lengths beside auto")
     ap.add_argument("--workloads", default=",".join(SERVE_WORKLOADS), help="serve: comma list")
     ap.add_argument("--sides", default=DEFAULT_SIDES, help=f"serve: comma list of {', '.join(SIDES)}")

@@ -66,15 +66,15 @@ def binary(name: str, native_bin: Path = NATIVE_BIN) -> Path:
 def specli_serve_cmd(target: Path, *args: str, threads: int = 2, ctx: int = 4096, parallel: int = 1) -> list[str]:
     """`specli serve` on `target` with `args` (its drafting options), `parallel` slots of `ctx` each."""
     return [*specli_cmd(), "serve", "-m", str(target), *args, "-c", str(ctx), "--threads", str(threads),
-            "--parallel", str(parallel), "--host", "127.0.0.1", "--port", PORT]  # fmt: skip
+            "--parallel", str(parallel), "--host", "127.0.0.1", "--port", PORT]
 
 
 def llama_server_cmd(target: Path, *args: str, threads: int = 2, ctx: int = 4096, parallel: int = 1,
-                     native_bin: Path = NATIVE_BIN) -> list[str]:  # fmt: skip
+                     native_bin: Path = NATIVE_BIN) -> list[str]:
     """`llama-server` on `target` with `args` (its speculative options); it splits -c over its
     slots, so it gets parallel x ctx: each slot then has specli's per-sequence context."""
     return [str(binary("llama-server", native_bin)), "-m", str(target), *args, "-c", str(ctx * parallel), "-np", str(parallel),
-            "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1", "--port", PORT]  # fmt: skip
+            "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1", "--port", PORT]
 
 
 class Server:
@@ -103,7 +103,7 @@ class Server:
         while True:  # GET /health until 200 (both answer 503, or refuse, while loading)
             if self.proc.poll() is not None:
                 raise ServerError(f"{self.label} exited with code {self.proc.returncode} before it was ready; "
-                                  f"its log {self.log_path}:\n{self.log_tail()}")  # fmt: skip
+                                  f"its log {self.log_path}:\n{self.log_tail()}")
             with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -155,7 +155,7 @@ class Server:
         return {"text": choice["message"]["content"] if chat else choice["text"], "tokens": tokens, "accepted": accepted,
                 "drafted": int(t.get("draft_n") or 0), "passes": tokens - accepted, "cache_n": int(t.get("cache_n") or 0),
                 "prompt_ms": float(t.get("prompt_ms") or 0), "predicted_ms": float(t.get("predicted_ms") or 0),
-                "speculative": d.get("speculative"), "finish": choice.get("finish_reason"), "wall_s": wall}  # fmt: skip
+                "speculative": d.get("speculative"), "finish": choice.get("finish_reason"), "wall_s": wall}
 
     def log_tail(self, n: int = 15) -> str:
         try:
@@ -204,22 +204,22 @@ def timed(fn: Callable[[], dict]) -> tuple[dict, float]:
 def specli_run_cmd(model: Path, *mode: str, prompt: str, max_tokens: int, threads: int, ctx: int = 4096) -> list[str]:
     """`specli run`, greedy, its figures as JSON; `mode` its drafting options."""
     return [*specli_cmd(), "run", "-m", str(model), *mode, "--temperature", "0", "--json", "--quiet",
-            "--max-tokens", str(max_tokens), "--threads", str(threads), "-c", str(ctx), prompt]  # fmt: skip
+            "--max-tokens", str(max_tokens), "--threads", str(threads), "-c", str(ctx), prompt]
 
 
 def spec_simple_cmd(model: Path, *spec: str, prompt_file: Path, max_tokens: int, threads: int, ctx: int = 4096,
-                    native_bin: Path = NATIVE_BIN) -> list[str]:  # fmt: skip
+                    native_bin: Path = NATIVE_BIN) -> list[str]:
     """`llama-speculative-simple`, greedy, asked for max_tokens + 1 with its debug log (-lv 5): it
     overshoots -n (its last pass verifies an untruncated draft), so its run is timed up to the
     first pass that reaches max_tokens, from the per-pass lines (`spec_simple_figures`)."""
     return [str(binary("llama-speculative-simple", native_bin)), "-m", str(model), *spec, "-f", str(prompt_file),
-            "-n", str(max_tokens + 1), "--temp", "0", "-t", str(threads), "-c", str(ctx), "-lv", "5"]  # fmt: skip
+            "-n", str(max_tokens + 1), "--temp", "0", "-t", str(threads), "-c", str(ctx), "-lv", "5"]
 
 
 def llama_bench_cmd(model: Path, *, max_tokens: int, threads: int, depth: int = 0, reps: int = 3, native_bin: Path = NATIVE_BIN) -> list[str]:
     """`llama-bench` text generation at context depth `depth` (attention over a longer context costs more)."""
     return [str(binary("llama-bench", native_bin)), "-m", str(model), "-p", "0", "-n", str(max_tokens), "-d", str(depth),
-            "-t", str(threads), "-r", str(reps), "-o", "json"]  # fmt: skip
+            "-t", str(threads), "-r", str(reps), "-o", "json"]
 
 
 def prompt_file(folder: Path, name: str, text: str) -> Path:
@@ -285,14 +285,14 @@ def execute(job: Job) -> dict:
     """Run one job: its figures (tps, tokens, drafted, accepted, passes, text)."""
     with tempfile.TemporaryDirectory(prefix="specli-cache-") as cache:  # (specli: an empty policy cache each run)
         proc = subprocess.run(job.cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
-                              timeout=900, env={**os.environ, "SPECLI_CACHE_DIR": cache, **job.env})  # fmt: skip
+                              timeout=900, env={**os.environ, "SPECLI_CACHE_DIR": cache, **job.env})
     if proc.returncode != 0:
         raise ServerError(f"exit {proc.returncode}: {' '.join(job.cmd[:6])} ...\n{(proc.stderr or proc.stdout)[-1500:]}")
     if job.kind == "specli":
         out = json.loads(proc.stdout)
         st = out["stats"]
         return {"tps": st["tokens_per_s"], "tokens": out["n_tokens"], "decided": st["decided"], "drafted": st["drafted"],
-                "accepted": st["accepted"], "passes": st["target_passes"], "text": out["text"]}  # fmt: skip
+                "accepted": st["accepted"], "passes": st["target_passes"], "text": out["text"]}
     if job.kind == "spec-simple":
         return {**spec_simple_figures(proc.stderr, job.max_tokens), "text": generated_text(proc.stdout, job.prompt)}
     if job.kind == "llama-bench":
@@ -321,5 +321,5 @@ def rounds(jobs: list[Job], n_rounds: int, before: Callable[[Job], None] | None 
                 continue
             tps = results[-1]["tps"]
             log(f"[{rnd + 1}/{n_rounds} {i + 1}/{len(jobs)}] {'/'.join(map(str, job.key))}: "
-                f"{'-' if tps is None else f'{tps:.1f}'} tok/s ({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+                f"{'-' if tps is None else f'{tps:.1f}'} tok/s ({time.perf_counter() - t0:.1f} s)")
     return results, failures

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specli.decoding.drafters import Proposal
+from specli.decoding.drafters import Drafter, Proposal
 
 HASH_SLOTS = 1 << 18  # COMMON_NGRAM_HASH_MAP_SIZE
 LCG_FACTOR = 2654435761
@@ -35,7 +35,7 @@ def _hash(tokens: Sequence[int], start: int, n: int) -> int:
     return h % HASH_SLOTS
 
 
-class _Native:
+class _Native(Drafter):
     name = "native"
 
     def update(self, n_drafted: int, n_accepted: int) -> None:

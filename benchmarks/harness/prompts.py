@@ -57,7 +57,7 @@ def spec_bench(per_category: int, chat: bool, two_turn_per_category: int | None 
     double = [r for r in rows if len(r["turns"]) > 1]
     items = []
     for row in sorted(stratified(single, per_category, "0", "question_id") + stratified(double, two, "0", "question_id"),
-                      key=lambda r: r["question_id"]):  # fmt: skip
+                      key=lambda r: r["question_id"]):
         qid, cat = row["question_id"], row["category"]
         split = "check" if qid % CHECK_EVERY == 0 else "dev"
         first = row["turns"][0]
@@ -69,7 +69,7 @@ def spec_bench(per_category: int, chat: bool, two_turn_per_category: int | None 
             second = row["turns"][1]
             items.append(Item(f"q{qid}t2", cat, split, follows=f"q{qid}",
                               messages=[{"role": "user", "content": second}] if chat else None,
-                              prompt=None if chat else question_format(second)))  # fmt: skip
+                              prompt=None if chat else question_format(second)))
     return items
 
 
@@ -82,7 +82,7 @@ def folder(path: Path, chat: bool = False) -> list[Item]:
         text = p.read_text(encoding="utf-8")
         kind = p.stem.split("-", 1)[0]
         items.append(Item(p.stem, kind, split, messages=[{"role": "user", "content": text}]) if chat
-                     else Item(p.stem, kind, split, prompt=text))  # fmt: skip
+                     else Item(p.stem, kind, split, prompt=text))
     return items
 
 
@@ -95,7 +95,7 @@ EDIT_TASKS = [
 
 
 def code_edits(n: int, chat: bool = True, seed: int = 0,
-               packages: tuple[str, ...] = ("click", "jinja2", "starlette", "rich", "typer")) -> list[Item]:  # fmt: skip
+               packages: tuple[str, ...] = ("click", "jinja2", "starlette", "rich", "typer")) -> list[Item]:
     """Edits of real functions nobody wrote for a benchmark: `n` functions of 8-40 lines drawn
     (seeded) from installed packages' sources, each with one of EDIT_TASKS, as a user turn.
     The kind is the package; a third is held out. Copy-heavy work, where lookup should pay.

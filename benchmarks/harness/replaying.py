@@ -20,7 +20,7 @@ from specli.modes import DraftLength
 AUTO = DraftLength.auto()
 POLICY_MODULES = ("specli.decoding.policy.constants", "specli.decoding.policy.adaptive", "specli.decoding.policy.acceptance",
                   "specli.decoding.policy.costs", "specli.decoding.policy.store", "specli.decoding.drafters",
-                  "specli.decoding.memory_drafter")  # fmt: skip
+                  "specli.decoding.memory_drafter")
 
 
 def policy_constants() -> dict[str, float]:
@@ -30,7 +30,7 @@ def policy_constants() -> dict[str, float]:
 
     module = importlib.import_module(POLICY_MODULES[0])
     return {name: value for name, value in vars(module).items()
-            if name.isupper() and isinstance(value, (int, float)) and not isinstance(value, bool)}  # fmt: skip
+            if name.isupper() and isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 def set_constant(name: str, value: str) -> None:
@@ -95,7 +95,7 @@ def told(table: Callable[[int], float], noise: tuple[float, float, int], seed: s
 
 
 def run_all(rows: list[dict], traces: dict[str, DraftTrace], tables: list[Costs], conf: dict[str, tuple[str, object]],
-            progress: Callable[[str], None] = log, noise: tuple[float, float, int] | None = None) -> list[dict]:  # fmt: skip
+            progress: Callable[[str], None] = log, noise: tuple[float, float, int] | None = None) -> list[dict]:
     """Every configuration on every text under every table. Memory holds the texts before
     each one (in the given order), with one MemoryRecord per table, as a server process keeps.
     A configuration named '... warm' starts from what the same configuration saved after the
@@ -120,7 +120,7 @@ def run_all(rows: list[dict], traces: dict[str, DraftTrace], tables: list[Costs]
             plain_s = (len(text) - p) * table(1)
             per = {}
 
-            def drafter(kind: str):
+            def drafter(kind: str, costs=costs, text=text, trace=trace, t_draft=t_draft):  # (this iteration's)
                 if kind == "lookup":
                     return PromptLookupDrafter()
                 if kind == "memory":
@@ -144,15 +144,15 @@ def run_all(rows: list[dict], traces: dict[str, DraftTrace], tables: list[Costs]
                     state = policy.saved(1_800_000_000.0 + i)
                     saved[(name, costs.label)] = None if state is None else store.parse(store.dumps(state), now=1_800_000_001.0 + i)
                 per[name] = {"tpp": r.tokens_per_pass, "drafted": r.drafted, "refused": r.refused,
-                             "speedup": plain_s / r.modelled_s(table), "passes": r.passes}  # fmt: skip
+                             "speedup": plain_s / r.modelled_s(table), "passes": r.passes}
             best = oracle(text, p, lookup_proposals, table)
             per["oracle lookup"] = {"tpp": best.tokens_per_pass, "drafted": sum(best.widths) - len(best.widths), "refused": 0,
-                                    "speedup": plain_s / best.modelled_s, "passes": len(best.widths)}  # fmt: skip
+                                    "speedup": plain_s / best.modelled_s, "passes": len(best.widths)}
             if trace is not None:
                 proposals = [trace.draft(text, pos, 16)[0] for pos in range(p, len(text))]
                 best = oracle(text, p, proposals, table, t_draft=t_draft)
                 per["oracle draft"] = {"tpp": best.tokens_per_pass, "drafted": sum(best.widths) - len(best.widths), "refused": 0,
-                                       "speedup": plain_s / best.modelled_s, "passes": len(best.widths)}  # fmt: skip
+                                       "speedup": plain_s / best.modelled_s, "passes": len(best.widths)}
             res["tables"][costs.label] = per
         out.append(res)
         memory.add(text)

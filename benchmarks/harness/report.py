@@ -28,7 +28,7 @@ def replay_tables(results: list[dict], tables, title: str) -> None:
         label = costs.label
         names = ["lookup auto", "lookup 16", "memory auto", *(["draft auto", "hybrid auto"] if has_draft else [])]
         head = ["category", "n", *names, "best native n-gram", *(["best draft N"] if has_draft else []), "oracle lookup",
-                *(["oracle draft"] if has_draft else [])]  # fmt: skip
+                *(["oracle draft"] if has_draft else [])]
         rows = []
         for cat, group in _groups(results):
             cells = [cat, len(group)]
@@ -46,7 +46,7 @@ def replay_tables(results: list[dict], tables, title: str) -> None:
             rows.append(cells)
         table(head, rows, f"\n## {title}: modelled on {label} (T(1) {costs.table(1) * 1e3:.1f} ms, T(4)/T(1) "
               f"{costs.table(4) / costs.table(1):.2f}, T(16)/T(1) {costs.table(16) / costs.table(1):.2f}, draft token "
-              f"{costs.t_draft / costs.table(1):.2f} T(1)): speedup over plain decoding, geometric mean [min-max] / tokens per pass")  # fmt: skip
+              f"{costs.t_draft / costs.table(1):.2f} T(1)): speedup over plain decoding, geometric mean [min-max] / tokens per pass")
         drafted = {n: sum(r["tables"][label][n]["drafted"] for r in results if n in r["tables"][label]) for n in names + natives}
         refused = {n: sum(r["tables"][label][n]["refused"] for r in results if n in r["tables"][label]) for n in names + natives}
         print("refused / drafted tokens, all texts: " + ", ".join(f"{n} {refused[n]}/{drafted[n]}" for n in drafted))
@@ -61,7 +61,7 @@ def goals(results: list[dict], tables, natives: list[str], has_draft: bool, titl
     cpu, gpu = tables[0].label, tables[-1].label
     defaults = ["lookup auto", *(["draft auto", "hybrid auto"] if has_draft else [])]
     head = ["category", *[f"{d} vs plain, {cpu}" for d in defaults], *[f"{d} / best fixed N, {gpu}" for d in defaults[:2]],
-            "lookup auto tpp / best native"]  # fmt: skip
+            "lookup auto tpp / best native"]
     rows = []
     for cat, group in _groups(results):
         cells = [cat]
@@ -94,4 +94,4 @@ def compact(results: list[dict], tables, title: str) -> None:
             cells.append(" / ".join(parts))
         rows.append(cells)
     table(["category", "n", *names], rows, f"\n## {title}: speedup over plain ({' / '.join(t.label for t in tables)}), "
-          "geometric mean [worst text] / tokens per pass")  # fmt: skip
+          "geometric mean [worst text] / tokens per pass")

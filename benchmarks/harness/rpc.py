@@ -34,7 +34,7 @@ from harness.common import DEFAULT_OUT, HERE, ROOT, log, table, write_json
 
 CHUNK = 256 * 1024
 BASELINE = {"specli lookup": "specli target-only", "specli draft": "specli target-only", "native draft": "native plain",
-            "native completion": "native plain"}  # fmt: skip
+            "native completion": "native plain"}
 
 
 class DelayProxies:
@@ -134,21 +134,21 @@ def plan(args, setups: dict, endpoints: dict[str, str], texts: dict, files: dict
                 at, ngl = (delay, setup, name), ["-ngl", str(max(layers(pair.target) - args.local_layers, 0))]
                 spec = ["--lookup"] if pair.draft is None else ["-md", str(pair.draft)]
                 for config, mode in (("specli target-only", ["--target-only"]), (f"specli {'lookup' if pair.draft is None else 'draft'}",
-                                                                               [*spec, "--draft-max", str(args.draft_max)])):  # fmt: skip
+                                                                               [*spec, "--draft-max", str(args.draft_max)])):
                     jobs.append(native.Job((*at, config), "specli", native.specli_run_cmd(pair.target, *mode, *ngl, *rpc, prompt=texts[name],
-                                                                                          max_tokens=m, threads=t, ctx=c)))  # fmt: skip
+                                                                                          max_tokens=m, threads=t, ctx=c)))
                 if pair.draft is None:
                     continue
                 common = [*ngl, "-fit", "off", *rpc]
                 if "completion" in args.native:
                     jobs.append(native.Job((*at, "native completion"), "completion", [
                         str(native.binary("llama-completion")), "-m", str(pair.target), "-f", str(files[name]), "-n", str(m), "--temp", "0",
-                        "-t", str(t), "-c", str(c), *common, "-no-cnv", "--no-display-prompt"]))  # fmt: skip
+                        "-t", str(t), "-c", str(c), *common, "-no-cnv", "--no-display-prompt"]))
                 for kind, spec_args in (("plain", native.NATIVE_PLAIN), ("draft", ["-md", str(pair.draft), "--spec-type", "draft-simple",
-                                        "--spec-draft-n-max", str(args.draft_max), "-devd", "none"])):  # fmt: skip
+                                        "--spec-draft-n-max", str(args.draft_max), "-devd", "none"])):
                     if kind in args.native:
                         jobs.append(native.Job((*at, f"native {kind}"), "spec-simple", native.spec_simple_cmd(
-                            pair.target, *spec_args, *common, prompt_file=files[name], max_tokens=m, threads=t, ctx=c), texts[name], m))  # fmt: skip
+                            pair.target, *spec_args, *common, prompt_file=files[name], max_tokens=m, threads=t, ctx=c), texts[name], m))
     return jobs
 
 
@@ -171,12 +171,12 @@ def report(results: list[dict], args) -> dict:
         drafted = sum(r.get("drafted") or 0 for r in rs)
         rows.append([delay if delay == "direct" else f"{delay} ms", setup, config, cell(tps, ".1f"), cell(ratios, ".2f"),
                      f"{sum(r['accepted'] for r in rs) / drafted:.0%}" if drafted else "-",
-                     ("=" if all(same) else f"{same.count(False)} differ") if same else ""])  # fmt: skip
+                     ("=" if all(same) else f"{same.count(False)} differ") if same else ""])
         if ratios and config != "native completion":
             growth.setdefault(f"{setup} {config}", []).append((delay, statistics.median(ratios)))
     table(["delay", "setup", "configuration", "tok/s, median [range]", "x target-only", "accepted", "text"], rows,
           title=f"over {args.servers} RPC servers behind a delaying proxy, {args.max_tokens} tokens, greedy, -t {args.threads}, "
-          f"draft length {args.draft_max}, {args.local_layers} target layers local, {args.rounds} round(s)")  # fmt: skip
+          f"draft length {args.draft_max}, {args.local_layers} target layers local, {args.rounds} round(s)")
     for name, points in growth.items():
         vals = [v for _, v in points]
         print(f"{name}: " + ", ".join(f"{d}: {v:.2f}x" for d, v in points) + ("  (grows)" if all(b > a for a, b in zip(vals, vals[1:])) else ""))
@@ -240,5 +240,5 @@ def main(args) -> int:
     for failure in failures:
         print(f"FAILED: {failure.splitlines()[0][:300]}")
     write_json(work / "rpc.json", {"settings": vars(args), "growth": growth, "failures": failures, "held_median_s": held,
-                                    "runs": [{**r, "key": list(r["key"])} for r in results]})  # fmt: skip
+                                    "runs": [{**r, "key": list(r["key"])} for r in results]})
     return 1 if failures else 0

@@ -54,7 +54,7 @@ def one_client(srv: native.Server, texts: dict[str, str], rnd: int, args, chat: 
     ttft = [ask(srv, text, f"{rnd}.t.{name}", args, chat, stream=True)["ttft_s"] or float("nan") for name, text in texts.items()]
     figures = {"tok/s per request": statistics.median(r["tokens"] / r["wall_s"] for r in done.values()),
                "TTFT ms": 1000 * statistics.median(ttft),
-               "aggregate tok/s": sum(r["tokens"] for r in done.values()) / sum(r["wall_s"] for r in done.values())}  # fmt: skip
+               "aggregate tok/s": sum(r["tokens"] for r in done.values()) / sum(r["wall_s"] for r in done.values())}
     return figures, done
 
 
@@ -65,7 +65,7 @@ def many_clients(srv: native.Server, texts: list[str], clients: int, rnd: int, a
     def client(i: int) -> int:
         start.wait()
         return sum(ask(srv, texts[(i * args.requests + j) % len(texts)], f"{rnd}.c{clients}.{i}.{j}", args, chat)["tokens"]
-                   for j in range(args.requests))  # fmt: skip
+                   for j in range(args.requests))
 
     with ThreadPoolExecutor(clients) as pool:
         futures = [pool.submit(client, i) for i in range(clients)]
@@ -86,10 +86,10 @@ def run_group(mode, pair, parallel, clients, texts, args, chat, cells, record) -
         cmds = {"specli": native.specli_serve_cmd(pair.target, *spec_args(mode, pair, args)["specli"], threads=args.threads,
                                                   ctx=args.ctx, parallel=parallel),
                 "llama-server": [*native.llama_server_cmd(pair.target, *spec_args(mode, pair, args)["llama-server"], threads=args.threads,
-                                                          ctx=args.ctx, parallel=parallel), "--cache-ram", "0"]}  # fmt: skip
+                                                          ctx=args.ctx, parallel=parallel), "--cache-ram", "0"]}
         servers = {side: stack.enter_context(native.serving(cmd, f"{side}-{mode}-p{parallel}", Path(args.out) / "serve" / "logs"))
-                   for side, cmd in cmds.items() if args.only in ("both", side)}  # fmt: skip
-        for side, srv in servers.items():
+                   for side, cmd in cmds.items() if args.only in ("both", side)}
+        for srv in servers.values():
             ask(srv, next(iter(texts.values())), "warm-up", args, chat)
         for rnd in range(args.rounds):
             for side in list(servers)[:: 1 if rnd % 2 == 0 else -1]:
@@ -152,15 +152,15 @@ def main(args) -> int:
         mine, theirs = sides.get("specli"), sides.get("llama-server")
         ratios = [a / b for a, b in zip(mine, theirs) if b] if mine and theirs else None
         rows.append([mode, figure, c, min(c, args.max_parallel), cell(mine, ".0f" if "TTFT" in figure else ".1f"),
-                     cell(theirs, ".0f" if "TTFT" in figure else ".1f"), cell(ratios, ".2f")])  # fmt: skip
+                     cell(theirs, ".0f" if "TTFT" in figure else ".1f"), cell(ratios, ".2f")])
     table(["mode", "figure", "clients", "slots", "specli", "llama-server", "specli / llama-server"], rows,
           title=f"specli serve vs llama-server, {pair.name}, {args.max_tokens} tokens, -t {args.threads}, ctx {args.ctx} "
-          f"per sequence, {args.rounds} round(s): median [min-max] (TTFT: lower is better)")  # fmt: skip
+          f"per sequence, {args.rounds} round(s): median [min-max] (TTFT: lower is better)")
     for mode in modes:
         if (mode, "parted") in record:
             parted = {name: at for name, at in record[(mode, "parted")].items() if at is not None}
             print(f"{mode}: greedy texts the same tokens on both sides: {len(record[(mode, 'parted')]) - len(parted)}/"
-                  f"{len(record[(mode, 'parted')])}" + "".join(f"; {n} parts at token {at}" for n, at in parted.items()))  # fmt: skip
+                  f"{len(record[(mode, 'parted')])}" + "".join(f"; {n} parts at token {at}" for n, at in parted.items()))
         for side in SIDES:
             done = record.get((mode, side), {}).values()
             drafted, accepted = sum(r["drafted"] for r in done), sum(r["accepted"] for r in done)
@@ -168,6 +168,6 @@ def main(args) -> int:
                 print(f"{mode}: {side} accepted {accepted}/{drafted} drafted tokens ({accepted / drafted:.0%}), one client")
     path = write_json(Path(args.out) / "serve" / f"serve-{pair.name}.json",
                       {"settings": vars(args), "cells": [[*k, v] for k, v in cells.items()],
-                       "texts": {f"{m}|{s}": v for (m, s), v in record.items()}})  # fmt: skip
+                       "texts": {f"{m}|{s}": v for (m, s), v in record.items()}})
     log(f"{time.perf_counter() - t0:.0f} s; results: {path}")
     return 0

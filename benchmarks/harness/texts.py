@@ -10,17 +10,20 @@ import time
 from pathlib import Path
 
 from harness.common import log, read_jsonl
-from harness.prompts import Item, question_format
+from harness.prompts import Item
 
 
 def generate(items: list[Item], target: Path, out: Path, *, chat: bool, max_tokens: int = 160, ctx: int = 4096,
-             threads: int = 2) -> list[dict]:  # fmt: skip
+             threads: int = 2) -> list[dict]:
     """Plain greedy decoding of every item not yet in `out` (appended as it goes: resumable)."""
-    from specli.decoding.engine import SpeculativeDecoder
+    from specli.decoding import loop
+    from specli.decoding.generation import Request
     from specli.decoding.sampling import GREEDY
+    from specli.decoding.step import SpeculativeDecoder
+    from specli.llama.conversation import encode_conversation
     from specli.llama.model import LlamaModel
     from specli.llama.native import init_backend
-    from specli.session.chat import choose_formatter, encode_conversation
+    from specli.session.chat import choose_formatter
 
     init_backend()
     model = LlamaModel(Path(target), n_ctx=ctx, n_threads=threads)
@@ -53,7 +56,7 @@ def generate(items: list[Item], target: Path, out: Path, *, chat: bool, max_toke
             if len(ids) + max_tokens + 1 > ctx:
                 log(f"skipped {item.id}: {len(ids)} prompt tokens")
                 continue
-            gen = decoder.generate(ids, max_tokens=max_tokens).run()
+            gen = loop.generate(decoder, Request(ids, max_tokens=max_tokens)).run()
             output_ids = list(gen.token_ids)
             if gen.stop_reason == "eos":
                 output_ids.append(eos)  # the target's last choice: a pass makes it
@@ -62,7 +65,7 @@ def generate(items: list[Item], target: Path, out: Path, *, chat: bool, max_toke
             f.write(json.dumps(row) + "\n")
             f.flush()
             log(f"[{i + 1}/{len(items)}] {item.id} ({item.category}): {len(ids)}+{len(output_ids)} tokens, "
-                f"{time.perf_counter() - t0:.0f}s")  # fmt: skip
+                f"{time.perf_counter() - t0:.0f}s")
     model.close()
     by_id = {r["id"]: r for r in read_jsonl(out)}
     return [by_id[i.id] for i in items if i.id in by_id]

@@ -36,7 +36,7 @@ def compute(rows: list[dict], draft: Path, out: Path, *, threads: int = 2, ctx: 
                 top = logits[np.arange(len(choices)), choices]
                 conf = 1.0 / np.exp(logits - top[:, None]).sum(axis=1, dtype=np.float64)
                 f.write(json.dumps({"id": row["id"], "start": start, "choices": choices.tolist(),
-                                    "confidences": [round(float(c), 5) for c in conf]}) + "\n")  # fmt: skip
+                                    "confidences": [round(float(c), 5) for c in conf]}) + "\n")
                 f.flush()
                 if i % 10 == 0:
                     log(f"trace [{i + 1}/{len(todo)}] {row['id']}: {len(text)} tokens, {time.perf_counter() - t0:.0f}s")

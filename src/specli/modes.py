@@ -40,7 +40,7 @@ class DraftLength:
     ("auto" or the number, 0 for off)."""
 
     fixed: int | None  # the fixed length; None for auto; 0 for off
-    maximum: int  # the most drafts one step may take: auto's cap, else the fixed length
+    maximum: int  # the most drafts one step may take: auto's cap, else the fixed length (0: off)
 
     def __post_init__(self) -> None:
         if self.fixed is None:
@@ -106,11 +106,6 @@ class DraftLength:
     @property
     def is_off(self) -> bool:
         return self.fixed == 0
-
-    @property
-    def longest(self) -> int:
-        """The most drafts one step may take (0 for off)."""
-        return self.maximum
 
     @property
     def json_value(self) -> int | str:

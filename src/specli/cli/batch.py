@@ -17,16 +17,15 @@ from typing import Literal, Optional
 
 import typer
 
-from specli.errors import EXIT_INTERRUPTED
 from specli.cli.options import (
-    DraftMemory, Drafting, Memory, Models, Quiet, Sampling, Stop, Threads, Verbose, error_message, flatten, load_models, max_tokens_option,
-    check_parallel, model_choice, require_stdout, stop_strings,
-)  # fmt: skip
+    Drafting, DraftMemory, Models, Placement, Quiet, Sampling, Stop, Threads, Verbose, check_parallel, error_message, flatten,
+    load_models, max_tokens_option, model_choice, require_stdout, stop_strings
+)
 from specli.cli.run import ChatFlag, NoParseSpecial, System, Template
-from specli.errors import EXIT_RUNTIME, SpecliError, UsageError
+from specli.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, SpecliError, UsageError
 from specli.files import ExclusiveLock, LockBusy, check_writable, replace_text
-from specli.session import batch, batch_run
 from specli.modes import DraftMode
+from specli.session import batch, batch_run
 
 EXIT_SOME_FAILED = EXIT_RUNTIME
 commands = typer.Typer()
@@ -48,8 +47,8 @@ def batch_command(
     drafting: Drafting,
     max_tokens: int = max_tokens_option("Generated tokens at most per item (an item's max_tokens overrides it)."),
     stop: Stop = None,
-    memory: Memory,
-    draft_memory: DraftMemory = "off",
+    placement: Placement,
+    memory: DraftMemory = "off",
     threads: Threads = None,
     quiet: Quiet = False,
     verbose: Verbose = False,
@@ -66,9 +65,9 @@ def batch_command(
         require_stdout("write the records to a file with -o FILE, or run it with stdout open")
     if no_parse_special and (chat or system is not None or template is not None):
         raise UsageError("--no-parse-special is for raw prompts; with --chat every prompt is a message, always tokenized as text: drop one of them")
-    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
+    choice = model_choice(models, placement, sampling, threads=threads, seed=seed, drafting=drafting, memory=memory)
     stops = stop_strings(stop)
-    check_parallel(parallel, memory.n_ctx, choice.branches)
+    check_parallel(parallel, placement.n_ctx, choice.branches)
     out_path = _check_output(output, input_path, resume=resume, overwrite=overwrite)
     if summary_path is not None:
         check_writable(summary_path, "the --summary file")
@@ -77,7 +76,7 @@ def batch_command(
         settings = batch_run.BatchSettings(
             input_path, out_path, choice, max_tokens, parallel=parallel, input_format=input_format, overwrite=overwrite,
             force=force, stop=stops, chat=chat, system=system, template=template, parse_special=not no_parse_special,
-        )  # fmt: skip
+        )
         return _batch(settings, output=output, summary_path=summary_path, quiet=quiet, verbose=verbose)
     finally:
         if lock is not None:
@@ -97,7 +96,7 @@ def _batch(settings: batch_run.BatchSettings, *, output: str, summary_path: Opti
         summary = batch_run.generate(
             job, loaded, describe=error_message, progress=lambda n_items, with_drafting: _Progress(n_items, enabled=show, with_drafting=with_drafting),
             notice=(lambda text: None) if quiet else (lambda text: print(text, file=sys.stderr)),
-        )  # fmt: skip
+        )
     finally:
         loaded.close()
 
@@ -105,13 +104,13 @@ def _batch(settings: batch_run.BatchSettings, *, output: str, summary_path: Opti
         print(summary.line(with_drafting=job.plan.mode != DraftMode.TARGET_ONLY), file=sys.stderr)
     if summary_path is not None:
         run_settings = {"target": str(job.plan.target_path), "draft": job.plan.draft_label, "n_draft": job.plan.draft_length.json_value,
-                        "parallel": settings.parallel, "input": settings.input_path, "output": output}  # fmt: skip
+                        "parallel": settings.parallel, "input": settings.input_path, "output": output}
         try:
             replace_text(summary_path, _json({**summary.to_dict(), **run_settings}))
         except OSError as err:  # (a FIFO whose reader left since the check): say that the records are safe
             where = "on stdout" if output == "-" else f"in {output}"
             raise SpecliError(f"cannot write the --summary file {summary_path}: {err.strerror or err}; "
-                              f"the records themselves are written {where}") from None  # fmt: skip
+                              f"the records themselves are written {where}") from None
     if summary.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_SOME_FAILED if summary.failed else 0

@@ -15,15 +15,14 @@ from typing import Optional
 
 import typer
 
-from specli.cli.options import (
-    Memory, Models, Quiet, Sampling, Threads, Verbose, flatten, load_models, max_tokens_option, model_choice, require_stdout,
-)  # fmt: skip
+from specli.cli.options import Models, Placement, Quiet, Sampling, Threads, Verbose, flatten, load_models, max_tokens_option, model_choice, require_stdout
 from specli.decoding.sampling import sampling_json
 from specli.errors import UsageError
 from specli.files import check_writable
 from specli.llama.native import init_backend
 from specli.modes import DraftLength, DraftMode
-from specli.session import bench, costs as pass_costs
+from specli.session import bench
+from specli.session import costs as pass_costs
 from specli.session.loading import plan
 
 MATPLOTLIB_MISSING = "--plot needs matplotlib, which is not installed; pip install matplotlib"
@@ -36,11 +35,12 @@ commands = typer.Typer()
 def bench_command(
     *,
     models: Models,
-    ns_text: str = typer.Option(",".join(map(str, bench.DEFAULT_NS)), "--draft-max", "--n", "--spec-draft-n-max", "--num-speculative-tokens", help="Draft lengths N to measure, comma-separated (target-only always runs too)."),
+    ns_text: str = typer.Option(",".join(map(str, bench.DEFAULT_NS)), "--draft-max", "--n", "--spec-draft-n-max", "--num-speculative-tokens",
+        help=("Draft lengths N to measure, comma-separated (target-only always runs too).")),
     repeat: int = typer.Option(1, "--repeat", min=1, help="Rounds: each runs every prompt and configuration once, interleaved; the tables show medians."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: one prompt per line, or JSONL with \"prompt\" and optional \"name\", \"scenario\". Default: the built-in set."),
     max_tokens: int = max_tokens_option("Generated tokens per run (long-form runs twice this, short chat at most 48).", 128),
-    memory: Memory,
+    placement: Placement,
     threads: Threads = None,
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the raw numbers (one record per run) and the summary to this JSON file."),
     csv_path: Optional[Path] = typer.Option(None, "--csv", help="Write one CSV row per run to this file."),
@@ -55,7 +55,7 @@ def bench_command(
     cleanly; --temperature > 0 samples, with a seed per round."""
     require_stdout()  # (the tables)
     ns = bench.parse_ns(ns_text)
-    choice = model_choice(models, memory, sampling, threads=threads, seed=seed)
+    choice = model_choice(models, placement, sampling, threads=threads, seed=seed)
     prompts = bench.parse_prompt_file(prompts_file) if prompts_file else list(bench.BUILTIN_PROMPTS)
     for path, option in ((json_path, "--json"), (csv_path, "--csv"), (plot_path, "--plot")):
         if path is not None:
@@ -76,10 +76,10 @@ def bench_command(
     _report(rows, held_out, the_plan, ns, repeat, costs=costs)
     settings = {
         "target": str(the_plan.target_path), "draft": the_plan.draft_label, "ns": [n.json_value for n in ns], "repeat": repeat,
-        "max_tokens": max_tokens, "ctx": memory.n_ctx, "threads": threads, "sampling": sampling_json(choice.sampling),
+        "max_tokens": max_tokens, "ctx": placement.n_ctx, "threads": threads, "sampling": sampling_json(choice.sampling),
         "seed_base": seed if not choice.sampling.greedy else None,
         "prompts": [dataclasses.asdict(p) for p in prompts],
-    }  # fmt: skip
+    }
     if json_path:
         bench.write_json(json_path, settings, records, rows, held_out, costs)
     if csv_path:
@@ -142,7 +142,7 @@ def _spread(row: bench.Row) -> str:
 
 
 def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: list[DraftLength], repeat: int, *,
-            costs: pass_costs.PassCosts | None = None) -> None:  # fmt: skip
+            costs: pass_costs.PassCosts | None = None) -> None:
     """The tables, best N and verdicts, on stdout (Rich; plain text when not a terminal).
     held_out: bench.held_out_best's figure per scenario; costs: the measured pass costs, shown
     before the verdicts (which a draft model's run takes them into)."""
@@ -169,11 +169,11 @@ def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: lis
                 _fmt(row.draft_ms_per_token, ".2f"),
                 _fmt(row.verify_ms_per_token, ".2f"), _fmt(row.alpha, ".2f"), _fmt(row.cost_ratio, ".3f"),
                 _fmt(row.expected, ".2f", "x"),
-            )  # fmt: skip
+            )
         out.print(table)
     if faults:
         out.print("x!: impossible, above tokens/pass (a target pass costs at least a plain one, so speedup <= "
-                  "tokens/pass): a measurement fault")  # fmt: skip
+                  "tokens/pass): a measurement fault")
     out.print(
         "spread: the lowest-highest speedup over the rounds (--repeat 2 or more): what noise alone moves. "
         "N auto: the draft length chosen each step (drafts/pass is its mean). "
@@ -195,21 +195,21 @@ def _report(rows: list[bench.Row], held_out: dict[str, float], the_plan, ns: lis
         if best_fixed is not None and best_fixed.speedup is not None and bench.within_noise(auto, best_fixed.speedup):
             noise = f"; the best fixed N's {best_fixed.speedup:.2f}x lies within auto's rounds: within noise"
         out.print(f"{scenario}: auto {_fmt(auto.speedup, '.2f', 'x')} target-only{against}, "
-                  f"{_fmt(auto.mean_draft_length, '.1f')} drafts per pass{noise}")  # fmt: skip
+                  f"{_fmt(auto.mean_draft_length, '.1f')} drafts per pass{noise}")
     worst = bench.worst_against_best(rows)
     if bench.AUTO in worst and len(worst) > 1:
         fixed = ", ".join(f"N={n} {r:.2f}" for n, r in worst.items() if n != bench.AUTO)
         out.print(f"Worst scenario against the best fixed N: auto {worst[bench.AUTO]:.2f}; {fixed} "
-                  "(a fixed N is held against a best that includes itself)")  # fmt: skip
+                  "(a fixed N is held against a best that includes itself)")
     autos = [row for row in rows if row.n == bench.AUTO and row.speedup is not None and held_out.get(row.scenario)]
     if autos:
         low = min(autos, key=lambda row: row.speedup / held_out[row.scenario])
         out.print(f"Worst scenario against an N picked on the other rounds: auto {low.speedup / held_out[low.scenario]:.2f} "
                   f"({low.scenario}; a sweep's best figure is the highest of several noisy ones, a pick scored on "
-                  "rounds it did not see is not)")  # fmt: skip
+                  "rounds it did not see is not)")
     if repeat < 2:
         out.print("One round: noise unmeasured, so a verdict may flip from one bench to the next; "
-                  "--repeat 3 shows each speedup's spread and says when it is within noise")  # fmt: skip
+                  "--repeat 3 shows each speedup's spread and says when it is within noise")
     if costs is not None:
         for line in _cost_lines(costs):
             out.print(line)
@@ -233,7 +233,7 @@ def _cost_lines(costs: pass_costs.PassCosts) -> list[str]:
         f"{costs.target_s[1] * 1e3:.3g} ms = 1; {widths}{draft}",
         f"Ceilings over target-only with every draft accepted: {ceilings}",
         pass_costs.conclusion(costs),
-    ]  # fmt: skip
+    ]
 
 
 def _plot(path: Path, rows: list[bench.Row]) -> None:

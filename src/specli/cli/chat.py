@@ -9,9 +9,9 @@ from typing import Optional
 import typer
 
 from specli.cli.options import (
-    ChatMemory, Drafting, Memory, Models, Quiet, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models, max_tokens_option,
-    model_choice, require_stdout, stop_strings,
-)  # fmt: skip
+    ChatMemory, Drafting, Models, Placement, Quiet, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models,
+    max_tokens_option, model_choice, require_stdout, stop_strings
+)
 from specli.session.loading import plan
 
 commands = typer.Typer()
@@ -25,8 +25,8 @@ def chat(
     drafting: Drafting,
     max_tokens: int = max_tokens_option("Generated tokens at most per reply."),
     stop: Stop = None,
-    draft_memory: ChatMemory = "off",
-    memory: Memory,
+    memory: ChatMemory = "off",
+    placement: Placement,
     threads: Threads = None,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt for the conversation."),
     template: Optional[str] = typer.Option(None, "--template", help="A llama.cpp built-in chat template (chatml, gemma, llama3, ...) instead of the model's own."),
@@ -42,7 +42,7 @@ def chat(
     from specli.session.chat import ChatOptions, ChatSession, LineReader, check_template_name, choose_formatter
 
     require_stdout()  # (the replies)
-    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
+    choice = model_choice(models, placement, sampling, threads=threads, seed=seed, drafting=drafting, memory=memory)
     stops = stop_strings(stop)
     reader = LineReader(sys.stdin, sys.stdout, sys.stderr)  # a bad SPECLI_MAX_INPUT_BYTES: before the load
     init_backend(verbose=verbose)

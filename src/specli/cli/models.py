@@ -12,7 +12,7 @@ from typing import Literal, Optional
 
 import typer
 
-from specli.cli.options import Memory, Models, flatten, require_stdout
+from specli.cli.options import Models, Placement, flatten, require_stdout
 from specli.models.fit import KV_TYPES, gb, padded_ctx, size_text
 from specli.modes import MAX_DRAFT, DraftMode
 from specli.session.cache import cache_rows, clear_cache
@@ -112,30 +112,30 @@ def _memory_json(m) -> dict:
 def fit_cmd(
     *,
     models: Models,
-    memory: Memory,
+    placement: Placement,
     kv_type: Literal[KV_TYPES] = typer.Option("f16", "--kv-type", help="KV cache type."),
     # (Typer's range refuses nan and inf too)
     overhead_gb: float = typer.Option(2.0, "--overhead-gb", min=0, max=1e6, help="Compute buffers and runtime, in GB (the guide's 2)."),
     # run's spellings of the draft length (--n-draft: fit's older one); no -n here: fit generates
     # nothing, so llama.cpp's -n (tokens to generate) would mean nothing either.
-    n_draft: int = typer.Option(5, "--draft-max", "--n-draft", "--spec-draft-n-max", "--num-speculative-tokens", min=1, max=MAX_DRAFT, help="Draft tokens per step N (sizes the logits buffer)."),
+    draft_length: int = typer.Option(5, "--draft-max", "--n-draft", "--spec-draft-n-max", "--num-speculative-tokens", min=1, max=MAX_DRAFT, help="Draft tokens per step N (sizes the logits buffer)."),
     device: Optional[str] = typer.Option(None, "--device", help="GPU to fit into, by index or name (default: the one with most free memory)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     registry_file: Optional[str] = typer.Option(None, "--registry", metavar="FILE", help=REGISTRY_HELP),
 ) -> int:
     """Will the target, the draft and both KV caches fit in this machine's memory? Exit 0 yes, 3 no."""
     require_stdout()
-    memory.check()
+    placement.check()
     settings = FitSettings(
-        model=models.model, draft=models.draft, lookup=models.lookup, n_ctx=memory.n_ctx, ngl=memory.ngl,
-        draft_ngl=memory.draft_ngl, kv_type=kv_type, n_draft=n_draft, overhead_gb=overhead_gb, device=device,
+        model=models.model, draft=models.draft, lookup=models.lookup, n_ctx=placement.n_ctx, ngl=placement.ngl,
+        draft_ngl=placement.draft_ngl, kv_type=kv_type, draft_length=draft_length, overhead_gb=overhead_gb, device=device,
         registry_file=registry_file,
-    )  # fmt: skip
+    )
     check = check_fit(settings)
-    if memory.rpc is not None:
-        endpoints = memory.rpc_endpoints()
-        devices = rpc_devices(endpoints, memory.rpc_timeout)
-        return _print_fit_rpc(fit_over_rpc(check, devices, endpoints, memory.split()), json_out=json_out)
+    if placement.rpc is not None:
+        endpoints = placement.rpc_endpoints()
+        devices = rpc_devices(endpoints, placement.rpc_timeout)
+        return _print_fit_rpc(fit_over_rpc(check, devices, endpoints, placement.split()), json_out=json_out)
     result = fit_here(check)
     # What `specli run` would say before loading this pair: flagged here, on stderr, one line each.
     for line in result.warnings:
@@ -159,14 +159,14 @@ def _print_fit_rpc(result: RpcFit, *, json_out: bool) -> int:
             "fits": result.ok, "ngl": ngl, "local_bytes": split.local_bytes, "local_free": room_here,
             "devices": [{"name": d.name, "free": d.free, "layers": d.layers, "output": d.output, "bytes": d.bytes, "fits": d.fits} for d in split.devices],
             "suggested_tensor_split": list(split.suggested) if split.suggested is not None else None, "suggestion": command,
-        }  # fmt: skip
+        }
         print(json.dumps(out))
     else:
         print(f"target: {est.target.label}, {ngl} of {est.target.n_layer} layers offloaded over {result.n_devices} device(s):")
         for d in split.devices:
             print(f"  {d.name}: {d.layers} layers{' and the output layer' if d.output else ''}, {gb(d.bytes)} of {gb(d.free)} free{'' if d.fits else '  DOES NOT FIT'}")
         print(f"  this machine (other layers, draft, logits, overhead): {gb(split.local_bytes)} of {gb(room_here)} free"
-              + ("" if split.local_bytes <= room_here else "  DOES NOT FIT"))  # fmt: skip
+              + ("" if split.local_bytes <= room_here else "  DOES NOT FIT"))
         print(("fits" if result.ok else "does not fit") + (f"; a split that fits: {command}" if command and not split.fits else ""))
         if split.suggested is None:
             print("no split of these layers fits these devices: lower -ngl, -c or pick a smaller quantization")
@@ -190,7 +190,7 @@ def _fit_json(result: LocalFit) -> dict:
         "ctx": est.n_ctx,
         "ctx_allocated": padded_ctx(est.n_ctx),
         "kv_type": est.kv_type,
-        "n_draft": est.n_draft,
+        "n_draft": est.draft_length,
         "bytes": {
             "weights_target": est.weights_target, "weights_draft": est.weights_draft,
             "kv_target": est.kv_target, "kv_draft": est.kv_draft,
@@ -225,7 +225,7 @@ def _print_fit(result: LocalFit) -> None:
 
     row("weights", est.weights_target, est.weights_draft)
     row(f"KV cache ({padded_ctx(est.n_ctx)} tokens, {est.kv_type})", est.kv_target, est.kv_draft)
-    row(f"logits (N={est.n_draft})", est.logits_target, est.logits_draft)
+    row(f"logits (N={est.draft_length})", est.logits_target, est.logits_draft)
     table.add_row("overhead", "", "", gb(est.overhead))
     table.add_row("total", "", "", gb(est.total), style="bold")
     console.print(table)
@@ -293,18 +293,18 @@ def _print_cache(rows: list[dict], now: float) -> None:
             print("  target pass over n tokens, ms at no context (samples, when):")
             print("   " + "  ".join(
                 f"{n}: {p['ms']:.2f} ({p['samples']}, {_ago(now - p['measured_at'])})" for n, p in row["pass_ms"].items()
-            ))  # fmt: skip
+            ))
         ctx = row["context_us_per_token"]
         print(f"  each token of context adds {ctx['one_token_pass']:.3f} us to a one-token pass, "
-              f"{ctx['wide_pass']:.3f} us per token to a wider one")  # fmt: skip
+              f"{ctx['wide_pass']:.3f} us per token to a wider one")
         if row["cpu_per_second"] is not None:
             print(f"  CPU use of an uncontended pass: {row['cpu_per_second']:.2f} s per s (less marks a busy machine)")
         for name, src in row["sources"].items():
             costs = [f"{label} {src[k]:.3f} ms" for label, k in (("a draft token", "draft_token_ms"), ("a start", "draft_start_ms"))
-                     if src[k] is not None]  # fmt: skip
+                     if src[k] is not None]
             prior = " ".join(f"{r:.2f}" for r in src["acceptance_prior"][:8])
             print(f"  {name}: {', '.join(costs) or 'no draft cost measured'}; "
-                  f"acceptance by position, a weak prior for the next run: {prior or '-'}")  # fmt: skip
+                  f"acceptance by position, a weak prior for the next run: {prior or '-'}")
 
 
 @commands.command("cache")
@@ -317,7 +317,7 @@ def cache_cmd(
     if clear:  # (says what it did on stderr: no stdout needed)
         folder, removed, memories = clear_cache()
         print(f"specli: removed {removed} file(s) of --draft-max auto measurements and {memories} token memory file(s) from {folder}",
-              file=sys.stderr)  # fmt: skip
+              file=sys.stderr)
         return 0
     require_stdout()
     now = time.time()

@@ -29,13 +29,13 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from specli.decoding.branches import MAX_BRANCHES
-from specli.decoding.engine import check_stop
 from specli.decoding.sampling import SamplingParams
+from specli.decoding.stopping import check_stop
 from specli.errors import SettingError, SpecliError, UsageError
 from specli.llama.context import MAX_CTX, MIN_CTX
 from specli.modes import MAX_DRAFT, DraftLength
+from specli.session.loading import MEMORY_BOUND, MEMORY_OFF, MEMORY_PERSIST, MEMORY_PROCESS, MEMORY_SAVE_EVERY_S, Loaded, ModelChoice, Plan, load
 from specli.session.memory_store import MAX_BYTES
-from specli.session.loading import MEMORY_BOUND, MEMORY_OFF, MEMORY_SAVE_EVERY_S, MEMORY_PERSIST, MEMORY_PROCESS, Loaded, ModelChoice, Plan, load
 
 # The defaults are the core's: ModelChoice's (context, offload) and SamplingParams' (llama.cpp's).
 _CHOICE = ModelChoice()
@@ -56,9 +56,9 @@ MAX_PARALLEL = 256
 OPTION_NAMES = {
     "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
     "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "--seed",
-    "n_draft": "--draft-max", "n_ctx": "-c", "max_tokens": "--max-tokens",
+    "draft_length": "--draft-max", "n_ctx": "-c", "max_tokens": "--max-tokens",
     "stop": "--stop",
-}  # fmt: skip
+}
 
 
 def error_message(err: SpecliError) -> str:
@@ -76,7 +76,7 @@ def require_stdout(fix: str = "run it with stdout open (> FILE, or > /dev/null t
         raise SpecliError(f"stdout is closed, so the output would go nowhere; {fix}")
 
 
-def parse_n_draft(text: str) -> DraftLength:
+def parse_draft_length(text: str) -> DraftLength:
     """--draft-max's value as Typer parses it: "auto" or a number of drafts."""
     try:
         return DraftLength.parse(text)
@@ -89,8 +89,12 @@ def parse_n_draft(text: str) -> DraftLength:
 class Models:
     """The target, and the draft model or prompt lookup (run, chat, batch, bench, fit)."""
 
-    model: Annotated[Optional[str], typer.Option("-m", "--model", help="Target model: a GGUF path, a Hugging Face GGUF (user/repo:QUANT or user/repo/file.gguf: from the HF cache, else downloaded once) or a models.toml name (a pair's name: its target, drafted by its draft). Default: models.toml's default (shipped: the embedded Gemma 3 270M).")] = None
-    draft: Annotated[Optional[str], typer.Option("-d", "-md", "--draft", "--model-draft", help="Draft model: a GGUF path, user/repo:QUANT, user/repo/file.gguf or a models.toml name (a pair's name: the pair's draft model). Same tokenizer as the target.")] = None
+    model: Annotated[Optional[str], typer.Option("-m", "--model", help=("Target model: a GGUF path, a Hugging Face GGUF (user/repo:QUANT or user/repo/file.gguf: from the HF cache, "
+        "else downloaded once) or a models.toml name (a pair's name: its target, drafted by its draft). Default: "
+        "models.toml's default (shipped: the embedded Gemma 3 270M)."))] = None
+    draft: Annotated[Optional[str], typer.Option("-d", "-md", "--draft", "--model-draft",
+        help=("Draft model: a GGUF path, user/repo:QUANT, user/repo/file.gguf or a models.toml name (a pair's name: the "
+        "pair's draft model). Same tokenizer as the target."))] = None
     lookup: Annotated[bool, typer.Option("--lookup", help="Draft by prompt lookup (copying from the text so far); no draft model.")] = False
 
 
@@ -100,32 +104,37 @@ class Drafting:
 
     target_only: Annotated[bool, typer.Option("--target-only", help="Plain decoding with the target alone: the baseline.")] = False
     # Parsed as Typer reads it: "auto" or a number of drafts (a DraftLength), None when not given.
-    n_draft: Annotated[Optional[DraftLength], typer.Option(
+    draft_length: Annotated[Optional[DraftLength], typer.Option(
         # llama.cpp's names; --num-speculative-tokens is specli's older one (-n was, before it
         # became llama.cpp's tokens to generate).
-        "--draft-max", "--spec-draft-n-max", "--num-speculative-tokens", metavar="auto|N", parser=parse_n_draft,
+        "--draft-max", "--spec-draft-n-max", "--num-speculative-tokens", metavar="auto|N", parser=parse_draft_length,
         help=f"Draft tokens per step: 'auto' (default: chosen each step from measured costs and acceptance) or a fixed number 1-{MAX_DRAFT}.",
-    )] = None  # fmt: skip
+    )] = None
     branches: Annotated[int, typer.Option(
         "--branches", metavar="N", min=1, max=MAX_BRANCHES,
         help=("With --memory, greedy (--temp 0), one sequence at a time: verify up to N of the memory's candidate continuations "
               "in one target pass (a token tree) where earlier texts went different ways; 1 (default): the draft alone. "
               "With --draft-max auto a branch is sent only where the measured pass costs say the wider pass pays (on a GPU it may; "
               "on a CPU rarely); with a fixed --draft-max every candidate up to N. --verbose shows each tree pass."),
-    )] = 1  # fmt: skip
+    )] = 1
 
 
 @dataclass
-class Memory:
-    """The context and where the layers go (run, chat, batch, bench, fit)."""
+class Placement:
+    """Placement: the context and where the layers go (run, chat, batch, bench, fit); `--memory`
+    is drafting memory, a different thing."""
 
     n_ctx: Annotated[int, typer.Option("-c", "--ctx", min=MIN_CTX, max=MAX_CTX, help="Context size in tokens (prompt + output).")] = _CHOICE.n_ctx
     ngl: Annotated[int, typer.Option("-ngl", "--ngl", "--n-gpu-layers", help="Target layers to offload to the GPU (-1 = all).")] = _CHOICE.ngl
     draft_ngl: Annotated[int, typer.Option("-ngld", "--draft-ngl", "--n-gpu-layers-draft", help="Draft model layers to offload to the GPU (-1 = all).")] = _CHOICE.draft_ngl
-    rpc: Annotated[Optional[str], typer.Option("--rpc", metavar="HOST:PORT,...", help="Split the target's offloaded layers (-ngl) over these llama.cpp rpc-server machines too (before the local GPUs, as llama.cpp orders them). Unauthenticated: trusted networks only.")] = None
-    tensor_split: Annotated[Optional[str], typer.Option("-ts", "--tensor-split", metavar="N,N,...", help="With --rpc: each device's share of the offloaded layers (the servers in order, then the local GPUs), e.g. 3,1.")] = None
+    rpc: Annotated[Optional[str], typer.Option("--rpc", metavar="HOST:PORT,...", help=("Split the target's offloaded layers (-ngl) over these llama.cpp rpc-server machines too (before the local "
+        "GPUs, as llama.cpp orders them). Unauthenticated: trusted networks only."))] = None
+    tensor_split: Annotated[Optional[str], typer.Option("-ts", "--tensor-split", metavar="N,N,...",
+        help=("With --rpc: each device's share of the offloaded layers (the servers in order, then the local GPUs), e.g. 3,1."))] = None
     draft_rpc: Annotated[bool, typer.Option("--draft-rpc", help="With --rpc: put the draft model's offloaded layers on the same devices (default: it stays on this machine).")] = False
-    rpc_timeout: Annotated[float, typer.Option("--rpc-timeout", metavar="SECONDS", min=0.1, max=86400, help="With --rpc: how long to wait for a server to connect, to answer the handshake, and to answer a pass before giving up with one line (raise it for slow links or long prompts).")] = _CHOICE.rpc_timeout
+    rpc_timeout: Annotated[float, typer.Option("--rpc-timeout", metavar="SECONDS", min=0.1, max=86400,
+        help=("With --rpc: how long to wait for a server to connect, to answer the handshake, and to answer a pass before "
+        "giving up with one line (raise it for slow links or long prompts)."))] = _CHOICE.rpc_timeout
 
     def check(self) -> None:
         """UsageError unless --ngl and --draft-ngl are -1 (all layers) or 0..MAX_NGL, and the
@@ -187,15 +196,15 @@ DraftMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIS
         "Draft from memory too (with --lookup only): 'process' keeps every finished generation's prompt and output "
         f"(the latest {MEMORY_BOUND:,} tokens, in memory only) and copies from them when the text so far has no match; "
     ) + _PERSIST_HELP + f" With 'persist', serve saves when idle (at most every {MEMORY_SAVE_EVERY_S:.0f} s) and at exit, batch at the end.",
-)]  # fmt: skip
+)]
 # run's: one generation, so only a memory kept between runs can help it.
 RunMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PERSIST], typer.Option(
     "--memory", help="Draft from memory too (with --lookup only): " + _PERSIST_HELP,
-)]  # fmt: skip
+)]
 # chat's: 'process' recalls earlier turns of this chat only.
 ChatMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIST], typer.Option(
     "--memory", help="Draft from memory too (with --lookup only): 'process' recalls this chat's earlier turns (in memory only); " + _PERSIST_HELP,
-)]  # fmt: skip
+)]
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", metavar="TEXT", help="End the output where this text appears (repeatable); the text itself is not output.")]
 
 
@@ -269,20 +278,20 @@ def check_threads(threads: int | None) -> None:
 
 
 def model_choice(
-    models: Models, memory: Memory, sampling: Sampling, *, threads: int | None, seed: int | None,
-    drafting: Drafting | None = None, draft_memory: str = MEMORY_OFF,
-) -> ModelChoice:  # fmt: skip
+    models: Models, placement: Placement, sampling: Sampling, *, threads: int | None, seed: int | None,
+    drafting: Drafting | None = None, memory: str = MEMORY_OFF,
+) -> ModelChoice:
     """Check the shared options (before any model loads) and bundle them for the core
-    (draft_memory: --memory, where the command has it)."""
+    (memory: --memory, where the command has it)."""
     drafting = drafting or Drafting()
     check_threads(threads)
-    memory.check()
+    placement.check()
     return ModelChoice(
-        models.model, models.draft, models.lookup, drafting.target_only, drafting.n_draft,
-        memory.n_ctx, memory.ngl, memory.draft_ngl, threads, sampling.params(seed),
-        rpc=memory.rpc_endpoints(), tensor_split=memory.split(), draft_rpc=memory.draft_rpc, rpc_timeout=memory.rpc_timeout,
-        memory=draft_memory, branches=drafting.branches,
-    )  # fmt: skip
+        models.model, models.draft, models.lookup, drafting.target_only, drafting.draft_length,
+        placement.n_ctx, placement.ngl, placement.draft_ngl, threads, sampling.params(seed),
+        rpc=placement.rpc_endpoints(), tensor_split=placement.split(), draft_rpc=placement.draft_rpc, rpc_timeout=placement.rpc_timeout,
+        memory=memory, branches=drafting.branches,
+    )
 
 
 def load_models(the_plan: Plan, choice: ModelChoice, *, quiet: bool, verbose: bool = False) -> Loaded:

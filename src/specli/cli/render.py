@@ -17,7 +17,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.text import Text
 
-from specli.decoding.engine import Generation, Step
+from specli.decoding.generation import Generation, Step
 from specli.decoding.stats import Stats
 
 ACCEPTED_SGR, RESET_SGR = "\x1b[36m", "\x1b[39m"  # --show-accept: text from accepted drafts in cyan
@@ -173,7 +173,7 @@ def terminal_width(stream: TextIO) -> int | None:
 def summary_line(
     stats: Stats, *, stop_reason: str | None, with_drafting: bool, verbose: bool = False,
     width: int | None = None, extra: tuple[str, ...] = (),
-) -> str:  # fmt: skip
+) -> str:
     """The summary printed to stderr at the end of a run: the essentials (tokens, time, tok/s,
     acceptance, tokens per pass, then `extra`, then the stop reason), about 80 characters.
     The details (counts, draft/verify and prompt times) follow on the same line when `width`
@@ -267,14 +267,14 @@ def stream_generation(
             if trace is not None and step.n_branches > 1:
                 trees.append(step.width)
                 print(f"specli: tree pass after {len(gen.token_ids) - len(step.tokens)} tokens: {step.n_branches} branches "
-                      f"in a pass of {step.width} tokens, {step.n_accepted} accepted", file=trace)  # fmt: skip
+                      f"in a pass of {step.width} tokens, {step.n_accepted} accepted", file=trace)
     except KeyboardInterrupt:
         gen.interrupt()
         interrupted = True
     status.clear()
     if trees:
         print(f"specli: {len(trees)} of {gen.stats.target_passes} passes verified several branches "
-              f"(mean {sum(trees) / len(trees):.1f} tokens a pass)", file=trace)  # fmt: skip
+              f"(mean {sum(trees) / len(trees):.1f} tokens a pass)", file=trace)
     if show_text:
         text_out.write_text(gen.text[printed:])  # text held back for an incomplete character
         if gen.text and not gen.text.endswith("\n") and out.isatty():

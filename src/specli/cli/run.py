@@ -11,16 +11,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from specli.errors import EXIT_INTERRUPTED
 from specli.cli.options import (
-    Drafting, Memory, Models, Quiet, RunMemory, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models, max_tokens_option,
-    model_choice, require_stdout, stop_strings,
-)  # fmt: skip
-from specli.errors import UsageError
+    Drafting, Models, Placement, Quiet, RunMemory, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models,
+    max_tokens_option, model_choice, require_stdout, stop_strings
+)
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
+from specli.errors import EXIT_INTERRUPTED, UsageError
 from specli.files import read_limited, strip_bom
+from specli.modes import DraftMode
 from specli.session import batch
 from specli.session.loading import plan
-from specli.modes import DraftMode
 
 commands = typer.Typer()
 
@@ -30,7 +31,8 @@ System = Annotated[Optional[str], typer.Option("--system", help="System prompt (
 Template = Annotated[Optional[str], typer.Option("--template", help="A llama.cpp built-in chat template (chatml, gemma, llama3, ...) instead of the model's own (implies --chat).")]
 # A raw prompt's control text (`<|im_start|>`) becomes control tokens, as in llama.cpp's CLI and
 # server; llama-tokenize's --no-parse-special keeps it text. (Chat messages are always text.)
-NoParseSpecial = Annotated[bool, typer.Option("--no-parse-special", help="Tokenize the prompt's special-token text (<|im_start|>, <start_of_turn>, ...) as plain text, not as the control tokens llama.cpp makes of it.")]
+NoParseSpecial = Annotated[bool, typer.Option("--no-parse-special", help=("Tokenize the prompt's special-token text (<|im_start|>, <start_of_turn>, ...) as plain text, not as the "
+    "control tokens llama.cpp makes of it."))]
 
 
 @commands.command("run")
@@ -43,8 +45,8 @@ def run(
     drafting: Drafting,
     max_tokens: int = max_tokens_option("Stop after this many generated tokens."),
     stop: Stop = None,
-    draft_memory: RunMemory = "off",
-    memory: Memory,
+    memory: RunMemory = "off",
+    placement: Placement,
     threads: Threads = None,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming text."),
     quiet: Quiet = False,
@@ -64,7 +66,7 @@ def run(
     require_stdout()
     if prompt_option is not None and prompt is not None:
         raise UsageError("the prompt is given twice (PROMPT and -p/--prompt); give one of them")
-    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
+    choice = model_choice(models, placement, sampling, threads=threads, seed=seed, drafting=drafting, memory=memory)
     stops = stop_strings(stop)
     text = read_prompt(prompt_option if prompt_option is not None else prompt)
     init_backend(verbose=verbose)
@@ -84,7 +86,7 @@ def run(
             stops = (*format_stop, *stops)
         else:
             prompt_ids = model_tgt.tokenize_prompt(text, parse_special=not no_parse_special)
-        gen = loaded.decoder.generate(prompt_ids, max_tokens=max_tokens, stop=stops)
+        gen = generate(loaded.decoder, Request(prompt_ids, max_tokens=max_tokens, stop=stops))
         with_drafting = the_plan.mode != DraftMode.TARGET_ONLY
         interrupted = stream_generation(
             gen, sys.stdout, sys.stderr, show_text=not json_out, live=not quiet and not verbose,
@@ -99,11 +101,11 @@ def run(
             sys.stdout.flush()
         if not quiet:
             print(summary_line(gen.stats, stop_reason=gen.stop_reason, with_drafting=with_drafting, verbose=verbose,
-                               width=terminal_width(sys.stderr)), file=sys.stderr)  # fmt: skip
+                               width=terminal_width(sys.stderr)), file=sys.stderr)
             warning = (
                 low_acceptance_warning(gen.stats, lookup=the_plan.mode == DraftMode.LOOKUP, adaptive=loaded.decoder.adaptive)
                 if with_drafting else None
-            )  # fmt: skip
+            )
             if warning:
                 print(warning, file=sys.stderr)
             if seed is not None and not the_plan.sampling.greedy and loaded.decoder.adaptive:
@@ -116,11 +118,12 @@ def run(
 
 
 def chat_prompt_ids(model, template: Optional[str], system: Optional[str], text: str, *,
-                    quiet: bool) -> tuple[list[int], tuple[str, ...]]:  # fmt: skip
+                    quiet: bool) -> tuple[list[int], tuple[str, ...]]:
     """The tokens of `text` as one user message (after `system`) in the chat template that
     `specli chat` would pick, with the assistant's turn opened; and the format's own stop
     strings (plain turns end where the model starts the next "User:" line, as in chat)."""
-    from specli.session.chat import choose_formatter, encode_conversation
+    from specli.llama.conversation import encode_conversation
+    from specli.session.chat import choose_formatter
 
     formatter, notice = choose_formatter(model, template)
     if notice and not quiet:

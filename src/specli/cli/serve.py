@@ -14,9 +14,7 @@ from typing import Optional
 
 import typer
 
-from specli.cli.options import (
-    DraftMemory, Drafting, Memory, Models, Quiet, Sampling, Threads, Verbose, check_parallel, error_message, flatten, load_models, model_choice,
-)  # fmt: skip
+from specli.cli.options import Drafting, DraftMemory, Models, Placement, Quiet, Sampling, Threads, Verbose, check_parallel, error_message, flatten, load_models, model_choice
 from specli.errors import UsageError
 from specli.modes import DraftMode
 from specli.session.loading import MEMORY_SAVE_EVERY_S
@@ -38,23 +36,24 @@ def serve_command(
     queue: int = typer.Option(DEFAULT_QUEUE, "--queue", min=0, help="Requests that may wait for a free slot; beyond them, 503."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECLI_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (or set SPECLI_API_KEY)."),
     max_tokens: Optional[int] = typer.Option(None, "-n", "--n-predict", "--max-tokens", min=1, help="Generated tokens per request when it sets no max_tokens (default: until the context is full)."),
-    memory: Memory,
-    draft_memory: DraftMemory = "off",
+    placement: Placement,
+    memory: DraftMemory = "off",
     threads: Threads = None,
     quiet: Quiet = False,
     verbose: Verbose = False,
     sampling: Sampling,
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for requests that set none (default: a fresh one per request, reported in its stats)."),
     template: Optional[str] = typer.Option(None, "--template", help="A llama.cpp built-in chat template (chatml, gemma, llama3, ...) for chat requests, instead of the model's own."),
-    cache_reuse: int = typer.Option(0, "--cache-reuse", min=0, help="Also reuse runs of at least N cached tokens that a new prompt holds after the common prefix, moved to their new positions (llama-server's --cache-reuse; 0: off)."),
+    cache_reuse: int = typer.Option(0, "--cache-reuse", min=0, help=("Also reuse runs of at least N cached tokens that a new prompt holds after the common prefix, moved to their "
+        "new positions (llama-server's --cache-reuse; 0: off).")),
     metrics: bool = typer.Option(False, "--metrics", help="Serve Prometheus metrics at /metrics (llama-server's names, plus specli's drafting figures)."),
     slots: bool = typer.Option(False, "--slots", help="Serve each slot's state at /slots (it shows every request's generated text to whoever has the key)."),
 ) -> int:
     """Serve the models over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
     /v1/models, /health) and llama-server's /infill, /tokenize, /detokenize, /apply-template and
     /props, drafting as `run` does. Ctrl-C or SIGTERM stops it cleanly."""
-    choice = model_choice(models, memory, sampling, threads=threads, seed=seed, drafting=drafting, draft_memory=draft_memory)
-    check_parallel(parallel, memory.n_ctx, choice.branches)
+    choice = model_choice(models, placement, sampling, threads=threads, seed=seed, drafting=drafting, memory=memory)
+    check_parallel(parallel, placement.n_ctx, choice.branches)
     if api_key is None and os.environ.get("SPECLI_API_KEY") is not None:
         api_key = os.environ["SPECLI_API_KEY"]  # (set but empty: the option parser drops it as unset)
     if api_key is not None and not api_key.strip():
@@ -89,11 +88,11 @@ def serve_command(
                 loaded, n_seq=parallel, queue_limit=queue, n_threads=threads, describe=error_message, release_models=True,
                 on_idle=(lambda: save_memory(MEMORY_SAVE_EVERY_S)) if loaded.memory_file is not None else None,
                 cache_reuse=cache_reuse,
-            )  # fmt: skip
+            )
             settings.metrics, settings.slots, settings.model_path = metrics, slots, str(the_plan.target_path)
             if cache_reuse and not scheduler.can_reuse and not quiet:
                 server_app.stderr_line(f"specli: warning: --cache-reuse {cache_reuse} is off: {the_plan.target_path.name}'s cache cannot move entries "
-                                       "(M-RoPE positions, or a sliding-window cache smaller than the context); only a common prefix is reused")  # fmt: skip
+                                       "(M-RoPE positions, or a sliding-window cache smaller than the context); only a common prefix is reused")
             service = server_app.Service(scheduler, loaded.model_tgt, settings)
             if choice.rpc:  # a stalled server: /health and the waiting requests get 503 before the exit
                 from specli.llama import rpc
@@ -154,11 +153,11 @@ def _settings(loaded, the_plan, models: Models, choice, api_key, max_tokens, tem
     return Settings(
         model_id=model_id, aliases=aliases, defaults=choice.sampling, api_key=api_key, default_max_tokens=max_tokens,
         formatter=formatter, chat_problem=problem, log=log,
-    )  # fmt: skip
+    )
 
 
 def _looks_like_file(name: str) -> bool:
-    from specli.models.registry import looks_like_path
+    from specli.models.names import looks_like_path
 
     return looks_like_path(name)
 

@@ -1,1 +1,2 @@
-"""The speculative loop and its pure parts: engine, parallel runner, drafters, verification, sampling, stats, text."""
+"""Speculative decoding: the request and its generation, the step and its loop, the verifier,
+drafters, sampling, the -n auto policy, stats and text (docs/life-of-a-step.md)."""

@@ -1,15 +1,19 @@
 """Drafters: cheap proposers of the tokens the target is likely to produce next.
 
-Every drafter follows one small protocol (after HF transformers' candidate generators):
-- begin(prompt, sampling, rng): called once before generation, e.g. to put the prompt into a
-  draft model's cache; `sampling` and `rng` are the run's (the draft samples like the target);
+Every drafter follows one protocol, the Drafter base class (after HF transformers' candidate
+generators and llama.cpp's common/speculative.h):
+- begin(prompt, sampling, rng, request): the door of each new sequence, e.g. to put the prompt
+  into a draft model's cache; `sampling` and `rng` are the run's (the draft samples like the
+  target), `request` the sequence's whole Request;
 - propose(context, n_max, judge): a Proposal of up to n_max tokens that might follow `context`
   (prompt + output so far), with the distributions q they were drawn from when there are any;
   the judge (decoding/policy) says how many are worth proposing, and for a draft model, token by
   token from its confidence, when to stop (fixed --draft-max: exactly n_max);
 - update(n_drafted, n_accepted): how the target judged the latest proposal.
-Drafters with a model of their own also have propose_steps (the same, a token at a time, for
-lockstep drafting) and prefill (a long prompt into their cache a batch at a time).
+The optional capabilities have defaults in the base class: propose_steps (a token at a time,
+for lockstep drafting), prefill (a long prompt into a draft cache a batch at a time), remember
+(a finished generation kept), propose_branches (a tree pass), continuation (the uncapped
+proposal, for the oracle), draft_cache (the draft model's cache). docs/drafters.md: how to add one.
 
 Drafters never see logits of the target and cannot change the output: only its speed.
 """
@@ -18,14 +22,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Generator, Protocol, Sequence
+from typing import Callable, Generator, Sequence
 
 import numpy as np
 
-from specli.llama.model import LlamaModel, common_prefix_len, fill_cache
-from specli.modes import DraftMode
 from specli.decoding.policy import FIXED, DraftJudge
 from specli.decoding.sampling import GREEDY, Dist, SamplingParams, greedy_choice, penalty_history, sample_from_logits
+from specli.llama.model import LlamaModel, common_prefix_len, fill_cache
+from specli.modes import DraftMode
 
 
 @dataclass
@@ -64,17 +68,70 @@ def _empty(source: str | None = None) -> Proposal:
     return Proposal([], source=source)
 
 
-class Drafter(Protocol):
-    name: str
+class Drafter:
+    """The protocol every drafter follows, declared in full: propose() is the one method a
+    drafter must have; every other one is a capability with its default here (what a drafter
+    without it does), so that nothing probes a drafter for what it can do.
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, rng: np.random.Generator) -> None: ...
+    A drafter belongs to one slot of the step loop and drafts for one sequence at a time:
+    begin() is the door of each new sequence (its prompt, sampling, random generator and
+    request, where a constraint rides); propose() drafts each step; update() hears the verdict.
+    """
 
-    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal: ...
+    name: str = ""  # the drafter's source name (Proposal.source, the judge's records)
+    # What the latest proposal cost in modelled seconds (a replay's drafters, which model their
+    # time instead of spending it; replay.replay charges it). Live drafting is timed by the step.
+    last_draft_s: float = 0.0
 
-    def update(self, n_drafted: int, n_accepted: int) -> None: ...
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None,
+              request: object | None = None) -> None:
+        """A new sequence after `prompt`, drafted with its `sampling` and `rng` (a draft samples
+        like the target); `request` is its decoding.generation.Request (None from replays).
+        Default: nothing to set up."""
+
+    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
+        """A Proposal of at most n_max tokens that might follow `context` (prompt + output);
+        the judge says how many are worth it."""
+        raise NotImplementedError
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        """How the target judged the latest proposal. Default: nothing kept."""
+
+    def propose_steps(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Generator[int, np.ndarray, Proposal]:
+        """propose() a token at a time, for lockstep drafting (StepLoop): yields each token a
+        draft model must evaluate, is sent its logits, returns the Proposal. Default: no
+        model to evaluate, propose() at once."""
+        return self.propose(context, n_max, judge)
+        yield  # (a generator that yields nothing)
+
+    def prefill(self, prompt: Sequence[int], budget: int) -> bool:
+        """Up to `budget` more tokens of a long prompt into the drafter's own cache; True once
+        all are in. Default: no cache of its own."""
+        return True
+
+    def remember(self, document: Sequence[int]) -> None:
+        """A finished generation (prompt + output, Generation.document) to keep for later
+        drafts. Default: nothing kept."""
+
+    def propose_branches(self, context: Sequence[int], chain: Sequence[int], n_max: int, max_branches: int,
+                         costs: Callable[[int], float] | None = None, source: str | None = None) -> list[list[int]]:
+        """This step's branches for a tree pass (branches.py), the proposal `chain` (from
+        `source`) first; with `costs`, only those that pay. Default: the chain alone."""
+        return [list(chain)] if chain else []
+
+    def continuation(self, context: Sequence[int], n_max: int) -> list[int]:
+        """What propose() would draft before any cap on its length (replay.candidates, for the
+        oracle). Default: a proposal of n_max under a fixed judge."""
+        return list(self.propose(context, n_max, FIXED).tokens)
+
+    @property
+    def draft_cache(self) -> LlamaModel | None:
+        """The cache of a draft model this drafter evaluates (a server keeps it in step with the
+        slot's prompts); None without one."""
+        return None
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Greedy drafts from a smaller model that shares the target's vocabulary.
 
     The draft model's cache is kept in step with the context: after each step it holds exactly
@@ -113,7 +170,8 @@ class DraftModelDrafter:
         # context's end, _view), so a pair that cannot pay costs nothing per request.
         self._judge: DraftJudge = FIXED
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None,
+              request: object | None = None) -> None:
         self.sampling = sampling
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self._offset = 0
@@ -211,8 +269,12 @@ class DraftModelDrafter:
         # (the last draft and the target's own token are evaluated by the next propose()).
         self.model_dft.truncate(self._context_len + min(n_accepted, n_drafted - 1))
 
+    @property
+    def draft_cache(self) -> LlamaModel:
+        return self.model_dft
 
-class PromptLookupDrafter:
+
+class PromptLookupDrafter(Drafter):
     """Drafts by copying: find where the text so far occurred before and propose what followed
     it there. No model, near-zero cost. docs/lookup.md compares it with llama.cpp's n-gram
     drafters (ngram-simple, ngram-map-k/-k4v, ngram-mod, ngram-cache) it borrows from.
@@ -265,7 +327,8 @@ class PromptLookupDrafter:
         self.key_min = min(ngram_min, max(1, consensus_min))  # the shortest key indexed
         self._reset([])
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None,
+              request: object | None = None) -> None:
         self._reset(prompt)
 
     def _reset(self, context: Sequence[int]) -> None:
@@ -389,7 +452,7 @@ class PromptLookupDrafter:
         n = judge.limit(self.name, n_max, len(context), match=match, agreed=agreed, cap=cap)
         return Proposal(_continue_periodically(self._tokens, src, n) if n > 0 else [], source=self.name)
 
-    def longest(self, context: Sequence[int], n_max: int) -> list[int]:
+    def continuation(self, context: Sequence[int], n_max: int) -> list[int]:
         """What propose() would copy, n_max tokens of it whatever the evidence allows (the
         drafter's choice before any cap on the length: replay.oracle's candidates)."""
         found = self._locate(context, n_max) if n_max > 0 else None
@@ -399,7 +462,7 @@ class PromptLookupDrafter:
         pass  # the next context shows how far the text followed the copy (`_learn`)
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """Prompt lookup when the text so far has a match, the draft model otherwise
     (`--lookup` with `-d`). The judge sizes each source's drafts from its own record."""
 
@@ -410,9 +473,10 @@ class HybridDrafter:
         self.draft = draft
         self._last_source: str | None = None
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
-        self.lookup.begin(prompt, sampling, rng)
-        self.draft.begin(prompt, sampling, rng)
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None,
+              request: object | None = None) -> None:
+        self.lookup.begin(prompt, sampling, rng, request)
+        self.draft.begin(prompt, sampling, rng, request)
 
     def prefill(self, prompt: Sequence[int], budget: int) -> bool:
         return self.draft.prefill(prompt, budget)
@@ -432,6 +496,10 @@ class HybridDrafter:
         # Only the draft model keeps state about its proposal (its cache).
         if self._last_source == self.draft.name:
             self.draft.update(n_drafted, n_accepted)
+
+    @property
+    def draft_cache(self) -> LlamaModel:
+        return self.draft.model_dft
 
 
 MODES = tuple(DraftMode)  # a drafter's name each (Drafter.name), or no drafter

@@ -23,7 +23,7 @@ Why this index rather than a suffix automaton or a suffix array:
 - Latency. A lookup is a fixed, small number of numpy calls (two segments x seven key lengths
   of one searchsorted each, then one gather over at most 64 x 64 tokens), whatever the store
   holds: 0.03-0.05 ms median, under 0.2 ms at the 99th percentile, in a store of 1,000,000
-  tokens on a shared 2-core machine (benchmarks/memory_latency.py, in git history at 048e22a). A suffix
+  tokens on a shared 2-core machine (docs/memory.md). A suffix
   array over the reversed tokens finds the exact longest match too, but by a binary search
   whose every step compares token slices in Python (about 60 steps per lookup); a suffix
   automaton needs a state per token in Python objects (hundreds of bytes each) or a
@@ -132,7 +132,7 @@ class TokenMemory:
     RECENT_SHARE = 16
 
     def __init__(self, fingerprint: str = "", *, max_tokens: int = 1_000_000, min_match: int = 3,
-                 vocab_size: int | None = None, key_lengths: Sequence[int] = DEFAULT_KEYS):  # fmt: skip
+                 vocab_size: int | None = None, key_lengths: Sequence[int] = DEFAULT_KEYS):
         if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
             raise ValueError(f"max_tokens must be 1 .. {MAX_TOKENS_LIMIT}, got {max_tokens}")
         if not 1 <= min_match <= MAX_KEY:
@@ -250,7 +250,7 @@ class TokenMemory:
         dead = live
         recent = self._n - (self._main.end if self._main is not None else 0)
         if (self._main is None or live >= self._main.end or dead > max(self.RECENT_MIN, self.n_tokens // 4)
-                or recent > max(self.RECENT_MIN, main_size // self.RECENT_SHARE)):  # fmt: skip
+                or recent > max(self.RECENT_MIN, main_size // self.RECENT_SHARE)):
             self._rebuild_all()
         else:
             self._recent = self._build(self._main.end, self._n)
@@ -406,13 +406,13 @@ class TokenMemory:
         lengths = np.diff(np.array(bounds, dtype=np.int64)).astype("<u4")
         tokens = self._buf[self._live_start : self._n].astype("<i4")
         head = self._HEADER.pack(self.MAGIC, self.VERSION, self.min_match, len(fp), self.max_tokens,
-                                 self.vocab_size or 0, lengths.size, tokens.size)  # fmt: skip
+                                 self.vocab_size or 0, lengths.size, tokens.size)
         body = b"".join((head, fp, lengths.tobytes(), tokens.tobytes()))
         return body + hashlib.blake2b(body, digest_size=self._DIGEST).digest()
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *, fingerprint: str | None = None,
-                   max_tokens: int | None = None, limit: int = MAX_TOKENS_LIMIT) -> "TokenMemory":  # fmt: skip
+                   max_tokens: int | None = None, limit: int = MAX_TOKENS_LIMIT) -> "TokenMemory":
         """A memory from to_bytes()'s form. `fingerprint`: the tokenizer it must have been made
         for (None: any); `max_tokens`: the bound to hold it to (None: the saved one; a smaller
         one drops the oldest documents); `limit`: the most tokens accepted at all. Raises

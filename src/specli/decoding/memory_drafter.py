@@ -1,6 +1,6 @@
 """Drafting from memory: what specli has read and written before drafts what it writes next.
 
-MemoryDrafter follows the drafter protocol (drafters.py: begin / propose / update). Each step
+MemoryDrafter follows the drafter protocol (drafters.Drafter). Each step
 it asks the context first (a PromptLookupDrafter: the prompt and the output so far); only when
 that proposes nothing does it ask a TokenMemory (memory.py) of earlier prompts and outputs of
 the same tokenizer, and copies a continuation found there: the memory's best-ranked one (most
@@ -27,17 +27,19 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from specli.decoding.drafters import Drafter, Proposal, PromptLookupDrafter, make_drafter
+from specli.decoding.branches import choose_branches
+from specli.decoding.drafters import Drafter, PromptLookupDrafter, Proposal, make_drafter
 from specli.decoding.memory import Candidate, TokenMemory
 from specli.decoding.policy import FIXED, DraftJudge
 from specli.decoding.sampling import GREEDY, SamplingParams
 from specli.modes import DraftMode
 
 MEMORY = "memory"  # Proposal.source of a draft from memory, and the judge's source name for it
+BRANCH_SOURCE = MEMORY  # the stats' source of tokens accepted on a branch other than the draft's (only memories branch)
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -157,15 +159,14 @@ def record_for(memory: TokenMemory) -> MemoryRecord:
     return record
 
 
-class MemoryDrafter:
+class MemoryDrafter(Drafter):
     """Prompt lookup in the context, else a continuation from a TokenMemory of earlier texts.
 
     It drafts the memory's best-ranked candidate (TokenMemory.lookup: most places, longest
     match, latest) among those that begin with the first token most places agree on, and only
     when more than half of the places found agree on it: where earlier texts went different
-    ways after the same words (a name, a date, an argument), memory does not guess. (Replayed on repeated workloads,
-    benchmarks/memory_replay.py at 048e22a, now `bench.py memory replay`, at a fixed --draft-max of 8 or 16: 6-21% fewer refused drafts,
-    tokens per pass within 1%.)
+    ways after the same words (a name, a date, an argument), memory does not guess (docs/memory.md:
+    fewer refused drafts for the same tokens per pass).
     Its `consensus` is how many leading tokens more than half of the places agree on; by
     default the judge's cap is the candidate's whole length, and with `cap_at_consensus` the
     consensus (the part the earlier texts vouch for; on those workloads 28-75% fewer refused
@@ -186,7 +187,7 @@ class MemoryDrafter:
     SHORT_VOTES = 1  # ... a shorter one needs this many places agreeing on the first token
 
     def __init__(self, memory: TokenMemory, lookup: PromptLookupDrafter | None = None, min_match: int | None = None,
-                 cap_at_consensus: bool = False, record: MemoryRecord | None = None, gate: bool = True):  # fmt: skip
+                 cap_at_consensus: bool = False, record: MemoryRecord | None = None, gate: bool = True):
         self.memory = memory
         self.record = None if not gate else record if record is not None else record_for(memory)
         self._memory_draft: tuple[tuple[int, int], bool] | None = None  # the latest memory draft's kind, and if a probe
@@ -195,9 +196,24 @@ class MemoryDrafter:
         self.min_match = memory.min_match if min_match is None else max(min_match, memory.min_match)
         self.last_source: str | None = None  # the source of the latest non-empty proposal
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
-        self.lookup.begin(prompt, sampling, rng)
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None,
+              request: object | None = None) -> None:
+        self.lookup.begin(prompt, sampling, rng, request)
         self.last_source = None
+
+    def propose_branches(self, context: Sequence[int], chain: Sequence[int], n_max: int, max_branches: int,
+                         costs: Callable[[int], float] | None = None, source: str | None = None) -> list[list[int]]:
+        """The chain, then the memory's other continuations after the context
+        (branches.choose_branches). With `costs`, none beside a copy from the context (a chain
+        of another source than the memory): the memory's odds say nothing of a text that
+        repeats itself (replayed on Spec-Bench, such branches cost up to 1% on the CPU table,
+        gained under 0.5% on the flat one)."""
+        if costs is not None and chain and source != MEMORY:
+            return [list(chain)]
+        found = self.memory.lookup(context, n_max) if n_max > 0 else []
+        if not found:
+            return [list(chain)] if chain else []
+        return choose_branches(chain, [(c.tokens, c.count) for c in found], n_max, max_branches, costs)
 
     def remember(self, tokens: Sequence[int]) -> None:
         """Add a finished generation (prompt + output, one document) to the memory, and index it
@@ -260,10 +276,10 @@ class MemoryDrafter:
             self._memory_draft = (kind, probe)
         return Proposal(list(tokens[: max(n, 0)]), source=MEMORY)
 
-    def longest(self, context: Sequence[int], n_max: int) -> list[int]:
+    def continuation(self, context: Sequence[int], n_max: int) -> list[int]:
         """What propose() would copy before any limit on its length (replay.candidates, for the
         oracle): lookup's, else the memory's best continuation."""
-        tokens = self.lookup.longest(context, n_max)
+        tokens = self.lookup.continuation(context, n_max)
         if tokens or n_max <= 0:
             return tokens
         choice = self.best(context, n_max)

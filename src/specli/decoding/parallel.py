@@ -1,4 +1,4 @@
-"""Generating batch's items with the models loaded once, on the step loop (engine.py's
+"""Generating batch's items with the models loaded once, on the step loop (loop.py's
 `StepLoop`): one at a time on the target's own context (`--parallel 1`, the very loop `run`
 takes), or P sequences in lockstep sharing each target pass (`--parallel P`).
 
@@ -14,23 +14,22 @@ generator, trims its own cache and stops on its own, so it gets the tokens `run`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Protocol
 
-from specli.decoding.engine import DecoderPool, Generation, StepLoop, Step
-from specli.decoding.sampling import SamplingParams
+from specli.decoding.generation import Generation, Request, Step
+from specli.decoding.loop import DecoderPool, StepLoop
 from specli.errors import SpecliError
 from specli.llama.model import LlamaModel
 from specli.modes import DraftLength, DraftMode
 
 
-class GenerationRequest(Protocol):
-    """What the runners need of an item (session.batch's Item has it)."""
+class Item(Protocol):
+    """What the runners need of an item (session.batch's Item has it): its generation's Request,
+    tokenized on the loop's side (the engine refuses a prompt that leaves no room to generate)."""
 
-    prompt: str
-    max_tokens: int
-    sampling: SamplingParams
-    stop: Sequence[str]  # the item's stop strings (engine.py's Generation.stop)
+    def request(self, model_tgt: LlamaModel) -> Request: ...
 
 
 # How a front end words a SpecliError for an item's record (the CLI: its option names).
@@ -39,19 +38,9 @@ Describe = Callable[[SpecliError], str]
 
 @dataclass
 class ItemDone:
-    item: GenerationRequest
+    item: Item
     generation: Generation | None = None
     error: str | None = None
-
-
-def tokenize_item(model_tgt: LlamaModel, item: GenerationRequest) -> list[int]:
-    """The item's prompt tokens (the engine refuses a prompt that leaves no room to generate):
-    a raw prompt's as llama.cpp makes them, its control text parsed unless the item says not to
-    (LlamaModel.tokenize_prompt)."""
-    ids = getattr(item, "prompt_ids", None)  # a chat item comes rendered and tokenized (batch --chat)
-    if ids is not None:
-        return list(ids)
-    return model_tgt.tokenize_prompt(item.prompt, parse_special=getattr(item, "parse_special", True))
 
 
 def item_error(err: Exception, describe: Describe = str) -> str:
@@ -62,7 +51,7 @@ def item_error(err: Exception, describe: Describe = str) -> str:
     return f"internal error: {type(err).__name__}: {err} (a bug in specli; please report it with this item)"
 
 
-def run_sequential(pool: DecoderPool, items: Iterable[GenerationRequest], describe: Describe = str) -> Iterator[Step | ItemDone]:
+def run_sequential(pool: DecoderPool, items: Iterable[Item], describe: Describe = str) -> Iterator[Step | ItemDone]:
     """One item after the other on the target's own context, exactly as `specli run` generates
     each (a prompt keeps what the cache holds of it). Whatever fails while an item is generated
     (a failed decode, or a bug) is that item's error; the batch goes on."""
@@ -76,22 +65,22 @@ class ParallelRunner:
     sizes its drafts, charged its part of a shared pass as `SharedPassCost` splits it."""
 
     def __init__(
-        self, model_tgt: LlamaModel, mode: DraftMode | str, n_draft: DraftLength | int | str, n_seq: int,
+        self, model_tgt: LlamaModel, mode: DraftMode | str, draft_length: DraftLength | int | str, n_seq: int,
         *, n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
         model_dft: LlamaModel | None = None, describe: Describe = str, release_models: bool = False, memory=None,
-    ):  # fmt: skip
+    ):
         """memory: a TokenMemory every slot's lookup drafter also copies from (StepLoop.on_sequences);
         each item done is remembered in it."""
         self.describe = describe
         self.loop = StepLoop.on_sequences(
-            model_tgt, mode, n_draft, n_seq, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
+            model_tgt, mode, draft_length, n_seq, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn,
             model_dft=model_dft, release_models=release_models, memory=memory,
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         self.loop.close()
 
-    def run(self, items: Iterable[GenerationRequest]) -> Iterator[Step | ItemDone]:
+    def run(self, items: Iterable[Item]) -> Iterator[Step | ItemDone]:
         return _feed(self.loop, items, self.describe, fresh=True)
 
 
@@ -99,7 +88,7 @@ class ParallelRunner:
 class _Slot:
     """A slot's item (its generation is the loop's)."""
 
-    item: GenerationRequest
+    item: Item
 
 
 def release_done(loop: StepLoop, s: int) -> Generation:
@@ -111,7 +100,7 @@ def release_done(loop: StepLoop, s: int) -> Generation:
     return gen
 
 
-def _feed(loop: StepLoop, items: Iterable[GenerationRequest], describe: Describe, *, fresh: bool) -> Iterator[Step | ItemDone]:
+def _feed(loop: StepLoop, items: Iterable[Item], describe: Describe, *, fresh: bool) -> Iterator[Step | ItemDone]:
     """Batch's policy over the loop: each free slot takes the next item (its prompt in at
     once), every busy slot steps; a finished item is reported (and remembered, `release_done`) and
     its slot refilled before the next pass; a failed one is not remembered. fresh: each item
@@ -127,10 +116,8 @@ def _feed(loop: StepLoop, items: Iterable[GenerationRequest], describe: Describe
                     exhausted = True
                     break
                 try:
-                    loop.start(
-                        s, tokenize_item(loop.pools[s].model_tgt, item), sampling=item.sampling, max_tokens=item.max_tokens,
-                        stop=item.stop, seed=item.sampling.seed, fresh=fresh,
-                    )  # fmt: skip
+                    request = item.request(loop.pools[s].model_tgt)
+                    loop.start(s, dataclasses.replace(request, fresh=True) if fresh else request)
                     loop.prefill(s)
                     slots[s] = _Slot(item)
                 except Exception as err:  # this item fails, the batch goes on

@@ -12,7 +12,7 @@ the table can continue from).
 The table is bounded (vocab x k int32: 8 MiB for Gemma's 262k vocabulary at k = 8, and with
 `probs` as many float16 probabilities, 4 MiB) and pure numpy (Proposal comes from drafters.py).
 Like every drafter it cannot change the output, only the speed: the target verifies each draft.
-benchmarks/recycling_replay.py (in git history at 048e22a) measured whether it pays: docs/memory.md.
+Whether it pays, measured: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specli.decoding.drafters import PromptLookupDrafter, Proposal
+from specli.decoding.drafters import Drafter, PromptLookupDrafter, Proposal
 from specli.decoding.policy import FIXED, DraftJudge
 from specli.decoding.sampling import GREEDY, SamplingParams
 
@@ -57,7 +57,7 @@ class RecyclingTable:
         return int(np.count_nonzero(self.rows[:, 0] != UNKNOWN))
 
     def observe(self, input_tokens: Sequence[int], topk_rows: np.ndarray | Sequence[Sequence[int]],
-                topk_probs: np.ndarray | None = None) -> None:  # fmt: skip
+                topk_probs: np.ndarray | None = None) -> None:
         """Row i of `topk_rows` (ids, best first; at most k used, fewer padded as unknown) is
         the target's top candidates after input_tokens[i] in its context; `topk_probs`, their
         probabilities (kept when the table has `probs`). The latest occurrence of a token in the
@@ -124,7 +124,7 @@ class RecyclingTable:
         return out
 
 
-class RecyclingDrafter:
+class RecyclingDrafter(Drafter):
     """Prompt lookup in the context first (when `lookup` is given), else a chain from the
     RecyclingTable, sized by the judge under the source "recycling".
 
@@ -134,7 +134,7 @@ class RecyclingDrafter:
     name = RECYCLING
 
     def __init__(self, table: RecyclingTable, lookup: PromptLookupDrafter | None = None, branch: str = "top",
-                 min_prob: float = 0.0):  # fmt: skip
+                 min_prob: float = 0.0):
         if branch not in ("top", "deep"):
             raise ValueError(f"unknown branch rule {branch!r}")
         self.table = table
@@ -143,9 +143,10 @@ class RecyclingDrafter:
         self.min_prob = min_prob  # draft only candidates the target gave this much (a table with probs)
         self.last_source: str | None = None  # the source of the latest non-empty proposal
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None,
+              request: object | None = None) -> None:
         if self.lookup is not None:
-            self.lookup.begin(prompt, sampling, rng)
+            self.lookup.begin(prompt, sampling, rng, request)
         self.last_source = None
 
     def observe(self, input_tokens: Sequence[int], topk_rows, topk_probs=None) -> None:

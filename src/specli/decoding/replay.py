@@ -8,8 +8,8 @@ width, measured once per machine) gives a modelled time that compares policies w
 noise of a shared machine, and `oracle` says how fast the best choice of draft lengths could
 have been for the same drafter, text and table.
 
-The replay follows the engine's step (engine.SequenceStep) with the target's pass replaced by
-the text: k = min(n_draft, tokens left - 1); the drafter proposes from the context (prompt and
+The replay follows the engine's step (step.SequenceStep) with the target's pass replaced by
+the text: n_max = min(the draft length, tokens left - 1); the drafter proposes from the context (prompt and
 output so far); the accepted drafts are the proposal's agreeing prefix with the text, then the
 target's own token. Under `--draft-max auto` the policy is told each step as the engine tells
 it, with the table's seconds as the pass's time and no time for drafting or the loop (lookup
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from specli.decoding.drafters import Drafter, Proposal
 from specli.decoding.policy import FIXED, AdaptivePolicy, DraftJudge, StepReport
 from specli.modes import DraftLength
 
@@ -167,12 +168,12 @@ def agreeing(draft: Sequence[int], text: Sequence[int], at: int) -> int:
 
 
 def replay(
-    text: Sequence[int], prompt_len: int, drafter, n_draft: DraftLength | int | str, costs: Callable[[int], float], *,
+    text: Sequence[int], prompt_len: int, drafter: Drafter, draft_length: DraftLength | int | str, costs: Callable[[int], float], *,
     policy: AdaptivePolicy | None = None, end: int | None = None, utilization: float | None = None,
     timing: Callable[[int], tuple[float, float | None]] | None = None,
-) -> Replay:  # fmt: skip
+) -> Replay:
     """Replay a generation of text[prompt_len:end] (default: to the end of `text`) with a
-    model-free `drafter` (drafters.Drafter: begin/propose/update) at a fixed `n_draft` or
+    model-free `drafter` (drafters.Drafter) at a fixed `draft_length` or
     auto (a DraftLength, or "auto" or a number; ValueError for anything else; auto: a fresh
     AdaptivePolicy up to its maximum unless `policy` is given, e.g. one seeded with saved state,
     or one that lived through earlier replays). `costs` is what the policy is told each pass
@@ -185,13 +186,13 @@ def replay(
     end = len(text) if end is None else end
     if not 0 < prompt_len < end <= len(text):
         raise ValueError("a replay needs a prompt and at least one token after it")
-    length = DraftLength.of(n_draft)
+    length = DraftLength.of(draft_length)
     judge: DraftJudge = FIXED
     if length.is_auto:
         policy = policy if policy is not None else AdaptivePolicy(length.maximum)
         judge, n_max = policy, policy.max_draft
     else:
-        policy, n_max = None, length.longest
+        policy, n_max = None, length.maximum
     context = text[:prompt_len]
     drafter.begin(list(context))
     out = Replay()
@@ -206,7 +207,7 @@ def replay(
         assert len(draft) <= k
         n_acc = agreeing(draft, text, pos)
         emitted = text[pos : pos + n_acc + 1]
-        draft_s = getattr(drafter, "last_draft_s", 0.0) if proposal is not None else 0.0
+        draft_s = drafter.last_draft_s if proposal is not None else 0.0
         if draft:
             drafter.update(len(draft), n_acc)
         if policy is not None and step > 0:  # (the first pass's times price the prompt: the engine tells only its verdict)
@@ -219,7 +220,7 @@ def replay(
                 first_s=proposal.first_s if proposal is not None else None,
                 context_len=len(context), gap_s=None if step == 1 else 0.0,
                 cpu_s=None if used is None else used * pass_s,
-            ))  # fmt: skip
+            ))
         if step > 0:  # (the first step's drafting is part of the prompt's time, as its pass)
             out.draft_s += draft_s
         step += 1
@@ -231,24 +232,17 @@ def replay(
     return out
 
 
-def candidates(text: Sequence[int], prompt_len: int, drafter, n_max: int = 64, end: int | None = None) -> list[list[int]]:
+def candidates(text: Sequence[int], prompt_len: int, drafter: Drafter, n_max: int = 64, end: int | None = None) -> list[list[int]]:
     """The drafter's longest proposal at every position of the generation (index i: after
-    text[:prompt_len + i]), visiting them all in order. A drafter with a `longest(context,
-    n_max)` method gives its continuation before any cap of its own on the length (what
-    `oracle` chooses lengths from); others are asked `propose` with a fixed length."""
+    text[:prompt_len + i]), visiting them all in order: its continuation(context, n_max), before
+    any cap of its own on the length (what `oracle` chooses lengths from)."""
     text = list(text)
     end = len(text) if end is None else end
     drafter.begin(text[:prompt_len])
-    longest = getattr(drafter, "longest", None)
     out = []
     for pos in range(prompt_len, end):
         k = min(n_max, end - pos - 1)
-        if k <= 0:
-            out.append([])
-        elif longest is not None:
-            out.append(list(longest(text[:pos], k)))
-        else:
-            out.append(list(drafter.propose(text[:pos], k, FIXED).tokens))
+        out.append(list(drafter.continuation(text[:pos], k)) if k > 0 else [])
     return out
 
 
@@ -266,7 +260,7 @@ class Oracle:
 
 
 def oracle(text: Sequence[int], prompt_len: int, proposals: Sequence[Sequence[int]], costs: Callable[[int], float],
-           end: int | None = None, t_draft: float = 0.0) -> Oracle:  # fmt: skip
+           end: int | None = None, t_draft: float = 0.0) -> Oracle:
     """The least modelled time over every choice of draft length at every step, each step's
     draft being a prefix of the drafter's proposal at that position (`candidates`), each
     drafted token costing `t_draft` on top of the pass (a draft model's).
@@ -321,7 +315,7 @@ class DraftTrace:
         return tokens, confs
 
 
-class TraceDrafter:
+class TraceDrafter(Drafter):
     """A draft model replayed from its trace, with the protocol and the judge's calls of
     drafters.DraftModelDrafter: limit, then keep/last per token when the judge wants the
     draft's confidence. Every token drafted, or looked at and not kept, costs t_draft."""
@@ -335,9 +329,7 @@ class TraceDrafter:
     def begin(self, prompt: Sequence[int], *args) -> None:
         self.last_draft_s = 0.0
 
-    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED):
-        from specli.decoding.drafters import Proposal
-
+    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
         self.last_draft_s = 0.0
         n = judge.limit(self.name, n_max, len(context)) if n_max > 0 else 0
         if n <= 0:
@@ -357,13 +349,9 @@ class TraceDrafter:
                 break
         self.last_draft_s = looked * self.t_draft
         return Proposal(kept, source=self.name, confidences=confidences,
-                        token_s=self.t_draft if looked > 1 else None, first_s=self.t_draft)  # fmt: skip
+                        token_s=self.t_draft if looked > 1 else None, first_s=self.t_draft)
 
-    def update(self, n_drafted: int, n_accepted: int) -> None:
-        pass
-
-
-class ReplayHybrid:
+class ReplayHybrid(Drafter):
     """drafters.HybridDrafter over a lookup drafter and a TraceDrafter: lookup's copy when the
     text so far has a match, else the draft model's."""
 
@@ -377,7 +365,7 @@ class ReplayHybrid:
         self.lookup.begin(prompt)
         self.model.begin(prompt)
 
-    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED):
+    def propose(self, context: Sequence[int], n_max: int, judge: DraftJudge = FIXED) -> Proposal:
         proposal = self.lookup.propose(context, n_max, judge)
         self.last_draft_s = 0.0
         if not proposal.tokens:

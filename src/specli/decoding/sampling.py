@@ -1,18 +1,8 @@
-"""Lossless speculative sampling (pure functions on numpy arrays).
-
-Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", and Chen et
-al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling". Names follow the
-papers: p is the target's distribution, q the draft's.
-
-A step drafts x1..xk, each xi drawn from q_i; the target scores [last, x1..xk] in one pass, giving
-p_0..p_k. Draft xi is accepted with probability min(1, p_i(xi) / q_i(xi)); at the first rejection a
-token is drawn from the residual normalize(max(0, p_i - q_i)) and the step ends; when all k are
-accepted a bonus token is drawn from p_k. Every emitted token is then distributed exactly as if the
-target had sampled it alone, whatever q is: the draft only changes the speed.
-
-Both p and q must come from `distribution()` (or its dense form, `probabilities()`), the one
-transformation from logits to a sampling distribution (llama.cpp's default sampler chain), so
-that "the target sampling alone" means the same thing as sampling with llama.cpp.
+"""Sampling distributions (pure functions on numpy arrays): the one transformation from logits
+to a distribution (`distribution()`, or its dense form `probabilities()`: llama.cpp's default
+sampler chain, repetition penalty, temperature, top-k, top-p, min-p), greedy choice under the
+same penalty, and drawing from a distribution. The target's p and the draft's q both come from
+here; verifier.py accepts or rejects drafts with them (speculative sampling).
 """
 
 from __future__ import annotations
@@ -24,7 +14,6 @@ from typing import Sequence
 import numpy as np
 
 from specli.errors import SettingError
-from specli.decoding.verify import Verdict
 
 # Full-vocabulary top-p first tries the most probable few candidates (llama.cpp's adaptive
 # top-p does the same with 256): usually their mass already reaches top_p, and sorting 256
@@ -32,11 +21,6 @@ from specli.decoding.verify import Verdict
 _TOP_P_FIRST_TRY = 256
 _TOP_P_ADAPTIVE_ABOVE = 1024
 
-# A residual with less mass than this is rounding noise between p and q, not a distribution:
-# sampling it would emit an arbitrary token. The probability of reaching it at all is the
-# residual's mass (the total variation distance of p and q), so falling back to p changes the
-# output distribution by at most this much.
-_RESIDUAL_MIN_MASS = 1e-10
 
 
 @dataclass(frozen=True)
@@ -90,7 +74,7 @@ GREEDY = SamplingParams(temperature=0.0)
 JSON_FIELDS = {
     "temperature": float, "top_k": int, "top_p": float, "min_p": float,
     "repeat_penalty": float, "repeat_last_n": int, "seed": int,
-}  # fmt: skip
+}
 
 
 def sampling_json(sampling: SamplingParams) -> dict:
@@ -499,61 +483,7 @@ def sample_from_logits(
 ) -> tuple[int, Dist]:
     """Draft side: (token, q) where q = distribution(logits, params, history) and token ~ q.
 
-    Keep q: verify_sampled needs the distribution each draft token was drawn from.
+    Keep q: verification (verifier.verify_sampled) needs the distribution each draft token was drawn from.
     """
     q = distribution(logits, params, history)
     return sample(q, rng), q
-
-
-# --- verification ---------------------------------------------------------------------------
-def verify_sampled(
-    p_rows: Sequence[np.ndarray | Dist], q_rows: Sequence[np.ndarray | Dist] | None, draft: Sequence[int], rng: np.random.Generator
-) -> Verdict:
-    """Speculative sampling's accept/reject step: accepted drafts + one token from the target.
-
-    Needs p_rows, k+1 rows (an array or any sequence of rows; a row is a Dist or a dense row of
-    V): row i = the target's probabilities for the token after context + draft[:i] (so row k is
-    the bonus position), each from `distribution()` with that history. q_rows, k rows: row i =
-    the distribution draft[i] was sampled from; None when the drafter has no distribution
-    (prompt lookup), which means q_i is one-hot on draft[i].
-    Returns Verdict(n_accepted, tokens) with tokens = draft[:n_accepted] + [one emitted token].
-    """
-    k = len(draft)
-    assert len(p_rows) == k + 1, (len(p_rows), k)
-    assert q_rows is None or len(q_rows) == k, (len(q_rows), k)
-    for i, x in enumerate(draft):
-        x = int(x)
-        p_i = p_rows[i]  # rows are read in order, once, and only up to the first rejection,
-        p_x = float(p_i[x])  # so p_rows may compute them lazily
-        q_x = 1.0 if q_rows is None else float(q_rows[i][x])
-        # accept with probability min(1, p/q): u < p/q, written u*q < p so that q = 0 cannot divide
-        if rng.random() * q_x < p_x:
-            continue
-        residual = _residual(p_i, None if q_rows is None else q_rows[i], x)
-        return Verdict(i, [int(t) for t in draft[:i]] + [sample(residual, rng)])
-    return Verdict(k, [int(t) for t in draft] + [sample(p_rows[k], rng)])
-
-
-def _residual(p: np.ndarray | Dist, q: np.ndarray | Dist | None, x: int) -> np.ndarray | Dist:
-    """normalize(max(0, p - q)), where the rejected token is resampled from (unnormalized is
-    fine: `sample` divides by the total). One-hot q on x: p without x.
-
-    When the residual has (almost) no mass, p and q differ only by rounding and a rejection was
-    (almost) impossible; p itself is then the right answer up to that negligible mass.
-    """
-    if isinstance(p, Dist):  # the residual is 0 wherever p is: only p's support is computed
-        if q is None:
-            kept = np.where(p.ids == x, 0.0, p.probs)
-        else:
-            kept = np.maximum(p.probs - (q.at(p.ids) if isinstance(q, Dist) else np.asarray(q)[p.ids]), 0.0)
-        return p if kept.sum() <= _RESIDUAL_MIN_MASS else Dist(p.ids, kept, p.n_vocab)
-    if isinstance(q, Dist):
-        q = np.asarray(q)
-    if q is None:
-        residual = np.array(p, dtype=np.float64)
-        residual[x] = 0.0
-    else:
-        residual = np.maximum(np.asarray(p, dtype=np.float64) - q, 0.0)
-    if residual.sum() <= _RESIDUAL_MIN_MASS:
-        return np.asarray(p, dtype=np.float64)
-    return residual

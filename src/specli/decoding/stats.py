@@ -75,7 +75,7 @@ class Stats:
         return self.prompt_s + self.generation_s
 
     def record_step(self, n_drafted: int, n_accepted: int, n_emitted: int, source: str | None = None,
-                    n_decided: int | None = None) -> None:  # fmt: skip
+                    n_decided: int | None = None) -> None:
         """Count one target pass that checked `n_drafted` drafts (from `source`), emitted
         `n_emitted` tokens and decided `n_decided` (default: n_emitted; more when it also made
         the end-of-generation token, or tokens a stop string cut off)."""
@@ -103,10 +103,10 @@ class Stats:
     def add(self, other: "Stats") -> None:
         """Add another run's counts and times to these (session totals)."""
         for name in ("n_tokens", "decided", "prompt_pass_decided", "drafted", "accepted", "target_passes", "prompt_tokens", "prompt_reused",
-                     "prompt_s", "draft_s", "verify_s", "generation_s"):  # fmt: skip
+                     "prompt_s", "draft_s", "verify_s", "generation_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at),
-                             (self.draft_lengths, other.draft_lengths)):  # fmt: skip
+                             (self.draft_lengths, other.draft_lengths)):
             _add_counts(mine, theirs)
         for source, totals in other.by_source.items():
             _add_counts(self.by_source.setdefault(source, [0, 0]), totals)

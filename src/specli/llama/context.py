@@ -1,13 +1,13 @@
 """Several sequences on one model's weights: MultiSequenceContext (`specli batch --parallel`),
-SequenceView (one of its sequences behind LlamaModel's cache API), and the context size limits."""
+SequenceView (one of its sequences behind LlamaModel's cache API), ModelPasses (a model's own
+context behind MultiSequenceContext's pass API), and the context size limits."""
 
 from __future__ import annotations
 
 from typing import Literal, Sequence
 
-import numpy as np
-
 import llama_cpp
+import numpy as np
 
 from specli.errors import SettingError, SpecliError
 from specli.llama.model import LlamaModel, context_params, free_context, memory_can_shift, reuse_cache_chunks, sync_cache
@@ -40,7 +40,7 @@ class MultiSequenceContext:
     def __init__(
         self, model: LlamaModel, *, n_seq: int, n_ctx_per_seq: int, n_batch: int = 512,
         n_threads: int | None = None, kv_type: str = "f16", flash_attn: str = "auto",
-    ):  # fmt: skip
+    ):
         assert n_seq >= 1
         cparams = context_params(n_ctx=n_seq * n_ctx_per_seq, n_batch=n_batch, n_threads=n_threads,
                                  kv_type=kv_type, flash_attn=flash_attn)
@@ -65,7 +65,7 @@ class MultiSequenceContext:
 
     def eval(
         self, requests: dict[int, Sequence[int]], *, logits: Literal["all", "none"] = "all", rows: dict[int, int] | None = None,
-    ) -> dict[int, np.ndarray]:  # fmt: skip
+    ) -> dict[int, np.ndarray]:
         """Append each request's tokens to its sequence; return {seq: logits, one row per token}
         (empty dict for "none"); with `rows`, one row for each of the last rows[seq] tokens of
         sequence seq only (a prompt's end evaluated with a step's tokens). Logits need every
@@ -78,7 +78,7 @@ class MultiSequenceContext:
         flat = [
             (seq, len(self.cached[seq]) + i, token, i >= len(tokens) - rows[seq])
             for seq, tokens in requests.items() for i, token in enumerate(tokens)
-        ]  # fmt: skip
+        ]
         for seq, tokens in requests.items():
             if len(self.cached[seq]) + len(tokens) > self.n_ctx_per_seq:
                 raise SpecliError(f"internal: sequence {seq} would exceed its {self.n_ctx_per_seq} positions")
@@ -160,6 +160,7 @@ class SequenceView:
         self._seqs, self._seq, self._model = seqs, seq, model
         self.n_ctx = seqs.n_ctx_per_seq
         self.synced_new = 0  # tokens the latest sync() evaluated
+        self.max_branches = 1  # (tree passes need LlamaModel(branches=N)'s sequences)
 
     @property
     def cached(self) -> list[int]:
@@ -191,3 +192,34 @@ class SequenceView:
         """As LlamaModel.sync: keep the common prefix, evaluate the rest, return the last logits."""
         assert context, "sync needs at least one token"
         return sync_cache(self, context)
+
+
+class ModelPasses:
+    """A model's own context behind MultiSequenceContext's pass API: one sequence (the step
+    loop's on the target for `run`, `chat`, `batch --parallel 1`, `serve --parallel 1`)."""
+
+    n_seq = 1
+
+    def __init__(self, model: LlamaModel):
+        self.model = model
+        self.n_batch = model.n_batch
+
+    def eval(
+        self, requests: dict[int, list[int]], *, rows: dict[int, int], trees: dict[int, list[int]] | None = None,
+    ) -> dict[int, np.ndarray]:
+        """Each request's logits for its last rows[s] tokens; a request in `trees` is a token
+        tree (its tokens' parents: -1 for the first, LlamaModel.eval_tree), a row for each token."""
+        trees = trees or {}
+        return {s: self.model.eval_tree(tokens, trees[s]) if s in trees else self.model.eval(tokens, logits=rows[s])
+                for s, tokens in requests.items()}
+
+    def clear(self, s: int) -> None:
+        """After a failure: drop what the cache may hold beyond what is tracked (a failed or
+        interrupted decode), keeping the rest for the next prompt; if even that fails, empty it."""
+        try:
+            self.model.forget_untracked()
+        except SpecliError:
+            self.model.reset()
+
+    def close(self) -> None:
+        pass  # (the context is the model's own)

@@ -48,7 +48,7 @@ def ggml() -> ctypes.CDLL | None:
         ("ggml_backend_dev_name", ctypes.c_char_p, [p]),
         ("ggml_backend_dev_description", ctypes.c_char_p, [p]),
         ("ggml_backend_dev_memory", None, [p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]),
-    ):  # fmt: skip
+    ):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib

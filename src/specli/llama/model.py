@@ -20,18 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, Sequence
 
-import numpy as np
-
 import llama_cpp
+import numpy as np
 
 from specli.errors import ModelFileError, SpecliError
 from specli.files import NotRegularFile, open_regular
 from specli.gguf import check_model_header, not_regular_error
 from specli.llama.devices import default_threads
-from specli.llama.native import (
-    clear_native_log, ensure_backend, interrupt_requested, last_native_error, native, native_pass, progress_callback,
-    warn_about_amx,
-)  # fmt: skip
+from specli.llama.native import clear_native_log, ensure_backend, interrupt_requested, last_native_error, native, native_pass, progress_callback, warn_about_amx
 
 GGUF_MAGIC = b"GGUF"
 
@@ -283,7 +279,7 @@ class LlamaModel:
         found = {
             "pre": llama_cpp.llama_vocab_fim_pre(v), "suf": llama_cpp.llama_vocab_fim_suf(v), "mid": llama_cpp.llama_vocab_fim_mid(v),
             "rep": llama_cpp.llama_vocab_fim_rep(v), "sep": llama_cpp.llama_vocab_fim_sep(v),
-        }  # fmt: skip
+        }
         return {name: None if token == null else int(token) for name, token in found.items()}
 
     def special_piece(self, token: int) -> bytes:
@@ -642,7 +638,7 @@ def memory_can_shift(memory) -> bool:
 
 
 def reuse_cache_chunks(memory, seq: int, cached: list[int], tokens: Sequence[int], min_chunk: int,
-                       remove_from: Callable[[int], None]) -> int:  # fmt: skip
+                       remove_from: Callable[[int], None]) -> int:
     """--cache-reuse on sequence `seq` of a llama.cpp memory whose entries `cached` lists: plan
     (plan_chunk_reuse), move the chunks (shift_chunks), then drop every entry from the kept
     length on (`remove_from(pos)`, the owner's, which raises SpecliError when llama.cpp cannot);

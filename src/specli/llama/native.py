@@ -187,7 +187,7 @@ def warn_about_amx() -> None:
     _amx_warned = True
     if b"AMX_INT8 = 1" in (llama_cpp.llama_print_system_info() or b""):
         print("specli: warning: llama-cpp-python was built with llama.cpp's AMX kernels, which crash (SIGILL) on many "
-              "machines; rebuild it without them: see docs/install.md (SPECLI_AMX=1 hides this)", file=sys.stderr, flush=True)  # fmt: skip
+              "machines; rebuild it without them: see docs/install.md (SPECLI_AMX=1 hides this)", file=sys.stderr, flush=True)
 
 
 # --- ggml's own libraries ---------------------------------------------------------------------

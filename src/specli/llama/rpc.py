@@ -296,7 +296,7 @@ def _watchdog(signals: int | None) -> None:
             hinted = True
         if now - since > _watch_timeout:
             why = (f"no answer from the RPC server(s) at {servers}: a pass has waited {_watch_timeout:g} s (a stalled server or "
-                   "network, or a pass slower than --rpc-timeout SECONDS allows)")  # fmt: skip
+                   "network, or a pass slower than --rpc-timeout SECONDS allows)")
             _answer_requests(why)
             _leave(130 if asked else 1, f"specli: error: {why}; what was written so far is kept")
 

@@ -1,7 +1,8 @@
-"""Chat templates (for `specli chat`, and `run`/`batch` with --chat): llama.cpp's built-in ones
-by name, and a model's own Jinja template rendered in a sandbox.
+"""Chat templates (for `specli chat`, `run`/`batch` with --chat, and serve's chat route):
+llama.cpp's built-in ones by name, and a model's own Jinja template rendered in a sandbox.
 
-A model's own template is read by LlamaModel.chat_template().
+A model's own template is read by LlamaModel.chat_template(); a conversation rendered with a
+template becomes prompt tokens in conversation.py.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ class JinjaTemplate:
         env = _StrictSandbox(
             loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
             extensions=[Jinja2ChatFormatter.IgnoreGenerationTags, jinja2.ext.loopcontrols],
-        )  # fmt: skip
+        )
         env.filters["tojson"] = Jinja2ChatFormatter.tojson
         env.filters.update({name: _bounded_filter(f) for name, f in env.filters.items()})
         env.globals.update(raise_exception=_raise_exception, strftime_now=Jinja2ChatFormatter.strftime_now)
@@ -259,7 +260,7 @@ class JinjaTemplate:
                 for piece in self._template.generate(
                     messages=[{"role": role, "content": content} for role, content in messages],
                     bos_token=self.bos_token, eos_token=self.eos_token, add_generation_prompt=add_assistant,
-                ):  # fmt: skip
+                ):
                     size += len(piece)
                     if size > limit:
                         raise TemplateRenderError(f"the template wrote over {limit:,} characters for {len(messages)} message(s); it is not a chat template")

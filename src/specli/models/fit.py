@@ -214,7 +214,7 @@ def shape_from_facts(source, label: str) -> ModelShape:
 
 def shape_from_source(source, label: str) -> ModelShape:
     """The local file's header when the source is on disk (offline check), else stored facts."""
-    from specli.models.registry import source_status
+    from specli.models.names import source_status
 
     status = source_status(source)
     if status.downloaded and status.path is not None:
@@ -233,7 +233,7 @@ class Estimate:
     draft: ModelShape | None
     n_ctx: int
     kv_type: str
-    n_draft: int
+    draft_length: int
     overhead: int
     weights_target: int
     weights_draft: int
@@ -258,19 +258,19 @@ class Estimate:
 
 
 def estimate(target: ModelShape, draft: ModelShape | None, *, n_ctx: int, kv_type: str = "f16",
-             n_draft: int = 5, overhead: int = 2 * GB) -> Estimate:
+             draft_length: int = 5, overhead: int = 2 * GB) -> Estimate:
     """Bytes needed to run target (+ draft) with an n_ctx context.
 
     Logits: a verification pass returns N+1 rows of n_vocab floats from the target; the draft
     returns one row per step.
     """
     return Estimate(
-        target=target, draft=draft, n_ctx=n_ctx, kv_type=kv_type, n_draft=n_draft, overhead=overhead,
+        target=target, draft=draft, n_ctx=n_ctx, kv_type=kv_type, draft_length=draft_length, overhead=overhead,
         weights_target=target.weight_bytes,
         weights_draft=draft.weight_bytes if draft else 0,
         kv_target=target.kv_bytes(n_ctx, kv_type),
         kv_draft=draft.kv_bytes(n_ctx, kv_type) if draft else 0,
-        logits_target=(n_draft + 1) * target.n_vocab * 4,
+        logits_target=(draft_length + 1) * target.n_vocab * 4,
         logits_draft=draft.n_vocab * 4 if draft else 0,
     )
 
@@ -410,13 +410,13 @@ class Suggestion:
     command: str
 
 
-def max_context(target: ModelShape, draft: ModelShape | None, memory: DeviceMemory, *, kv_type: str, n_draft: int,
+def max_context(target: ModelShape, draft: ModelShape | None, memory: DeviceMemory, *, kv_type: str, draft_length: int,
                 overhead: int, ngl: int = -1, draft_ngl: int = -1, limit: int) -> int | None:
     """The largest context (a multiple of 256, below `limit`) that fits, or None."""
     best, lo, hi = None, 1, max(1, (limit - 1) // CTX_PAD)
     while lo <= hi:  # the need grows with the context: binary search
         mid = (lo + hi) // 2
-        est = estimate(target, draft, n_ctx=mid * CTX_PAD, kv_type=kv_type, n_draft=n_draft, overhead=overhead)
+        est = estimate(target, draft, n_ctx=mid * CTX_PAD, kv_type=kv_type, draft_length=draft_length, overhead=overhead)
         if fits(place(est, memory, ngl, draft_ngl), memory):
             best, lo = mid * CTX_PAD, mid + 1
         else:
@@ -443,7 +443,7 @@ def layer_split(est: Estimate, memory: DeviceMemory, draft_ngl: int = -1) -> tup
 
 
 def smaller_quant(target: ModelShape, draft: ModelShape | None, memory: DeviceMemory, *, n_ctx: int, kv_type: str,
-                  n_draft: int, overhead: int, ngl: int, draft_ngl: int) -> tuple[str, ModelShape] | None:
+                  draft_length: int, overhead: int, ngl: int, draft_ngl: int) -> tuple[str, ModelShape] | None:
     """The heaviest quantization below the target's that fits (weights scaled by bits per
     weight), as (name, the rescaled target), or None."""
     current = target.quant or "F16"
@@ -454,7 +454,7 @@ def smaller_quant(target: ModelShape, draft: ModelShape | None, memory: DeviceMe
         if BITS_PER_WEIGHT[name] >= bits:
             continue
         smaller = replace(target, weight_bytes=round(target.weight_bytes * BITS_PER_WEIGHT[name] / bits), quant=name)
-        est = estimate(smaller, draft, n_ctx=n_ctx, kv_type=kv_type, n_draft=n_draft, overhead=overhead)
+        est = estimate(smaller, draft, n_ctx=n_ctx, kv_type=kv_type, draft_length=draft_length, overhead=overhead)
         if fits(place(est, memory, ngl, draft_ngl), memory):
             return name, smaller
     return None
@@ -643,7 +643,7 @@ def rpc_split(est: Estimate, devices: list[tuple[str, int]], ngl: int, shares: t
     split = tuple(
         SplitDevice(name, free, n - (d == owner), b, d == owner)
         for d, ((name, free), n, b) in enumerate(zip(devices, counts, charge(counts)))
-    )  # fmt: skip
+    )
     local = est.total - sum(d.bytes for d in split)
     rooms = [int(f // per_block) if per_block else slots for f in frees]
     suggested = None

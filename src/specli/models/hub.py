@@ -42,7 +42,7 @@ class HfRef:
 def parse_hf_ref(arg: str) -> HfRef | None:
     """`user/repo:QUANT` or `user/repo/file.gguf` as an HfRef; None for anything else.
 
-    Only the syntax: a value naming an existing local file is a path (registry.looks_like_path
+    Only the syntax: a value naming an existing local file is a path (names.looks_like_path
     checks that first), so `models/x/y.gguf` on disk stays a file.
     """
     if arg.startswith((".", "~", "/")) or "\\" in arg or ".." in arg.split("/"):
@@ -179,7 +179,7 @@ def _skip_ref(ref: Path, why: str) -> None:
     if str(ref) not in _reported_refs:
         _reported_refs.add(str(ref))
         print(f"specli: warning: skipped the Hugging Face cache ref {ref}: {why}; "
-              "the repo counts as not downloaded (delete the ref; specli pull then fetches the repo again)", file=sys.stderr)  # fmt: skip
+              "the repo counts as not downloaded (delete the ref; specli pull then fetches the repo again)", file=sys.stderr)
     return None
 
 
@@ -269,10 +269,7 @@ def hub_error(exc: BaseException, repo: str, filename: str | None, file_hint: st
     """One-line SpecliError (exit 1: the hub, the network or the disk failed us) for a hub error.
     `file_hint` says where the missing file's name came from ("check hf_file in models.toml")."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-        RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
-    )
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
     what = f"{repo}/{filename}" if filename else f"the file list of {repo}"
     if isinstance(exc, LocalEntryNotFoundError) and isinstance(exc.__cause__, HfHubHTTPError):

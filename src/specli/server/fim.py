@@ -63,7 +63,7 @@ def tokenize_mixed(model: LlamaModel, value: Mixed, *, add_special: bool = False
 def infill_prompt(
     model: LlamaModel, fim: dict[str, Optional[int]], *, prefix: Mixed, suffix: Mixed, extra: Sequence[tuple[str, str]],
     prompt: str = "", n_ctx: int, n_predict: int = -1, n_batch: int = LLAMA_SERVER_BATCH, n_room: int = 1,
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     """The prompt's tokens: `extra` as (filename, text) chunks; needs fim's pre, suf and mid.
     n_predict: the server's -n (-1: none), which llama-server sizes the extra context by;
     n_room: the tokens the extra context leaves free for the completion (at least 1). The prompt

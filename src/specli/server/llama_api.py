@@ -3,38 +3,39 @@
 - POST /infill: fill-in-the-middle code completion (llama.vscode, llama.vim), with
   llama-server's request and response shapes (its /completion object, streamed as its SSE
   events), the prompt built as llama-server builds it (fim.py), and llama-server's n_indent
-  and t_max_predict_ms limits (decoding/limits.py);
+  and t_max_predict_ms limits (decoding/stopping.py);
 - POST /tokenize, /detokenize, /apply-template; GET /props; GET /metrics (--metrics,
   Prometheus text, llama-server's `llamacpp:` names plus specli's drafting figures); GET /slots
   (--slots).
 
 Leniency as llama-server's: unknown fields are ignored; known ones are checked (a 400 naming the
 field), and the ones specli does not implement are taken at their neutral value and refused
-otherwise (protocol.py's rule). Service (app.py) inherits these routes from LlamaRoutes.
+otherwise (protocol.py's rule). app.Service serves these routes through a LlamaRoutes of its
+own; what they share with the OpenAI routes (checks, jobs, events, the log) is handling.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from specli import __version__
-from specli.decoding.engine import STOP_CONTEXT_FULL, STOP_EOS, STOP_STRING
-from specli.decoding.limits import LineLimits
+from specli.decoding.generation import Request
 from specli.decoding.sampling import SamplingParams
+from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_EOS, STOP_STRING, LineLimits
 from specli.errors import SettingError, SpecliError
 from specli.modes import DraftMode
 from specli.server import fim, protocol
+from specli.server.handling import Settings, check_key, check_model, log_done, read_json, sse_event, sse_response, submit
 from specli.server.protocol import ApiError, quoted
-from specli.server.scheduler import Delta, Done, Failed, Job
+from specli.server.scheduler import Delta, Done, Event, Failed, Scheduler
 
 INT32_MAX = 2**31 - 1
 # llama-server fields specli does not implement, with the values that mean "not used" (None
@@ -43,7 +44,7 @@ NEUTRAL = {
     "n_probs": (0,), "logprobs": (0, False), "presence_penalty": (0,), "frequency_penalty": (0,), "dry_multiplier": (0,),
     "mirostat": (0,), "typical_p": (1,), "xtc_probability": (0,), "dynatemp_range": (0,), "ignore_eos": (False,),
     "logit_bias": ({}, []), "grammar": ("",), "json_schema": ({},), "lora": ([],), "n_cmpl": (1,), "n": (1,),
-}  # fmt: skip
+}
 # Known fields accepted and not acted on (their types are still checked): specli's sampling
 # chain is fixed (llama.cpp's default order; no "infill" sampler), one slot is as good as another.
 IGNORED_BOOLS = ("timings_per_token", "return_progress", "verbose", "post_sampling_probs")
@@ -194,7 +195,7 @@ def parse_infill(body: Any, defaults: SamplingParams, n_vocab: int) -> InfillReq
         n_indent=_int(body, "n_indent", 0) or 0, t_max_predict_ms=t_max if t_max is not None and t_max > 0 else None,
         cache_prompt=_bool(body, "cache_prompt", True), n_cache_reuse=_int(body, "n_cache_reuse", 0),
         return_tokens=_bool(body, "return_tokens", False), response_fields=fields_wanted or None,
-    )  # fmt: skip
+    )
 
 
 
@@ -226,79 +227,68 @@ def pieces_text(pieces: list[bytes]) -> str:
     return b"".join(pieces).decode("utf-8", errors="replace")
 
 
-def sampling_json(sampling: SamplingParams) -> dict:
+def generation_settings(sampling: SamplingParams) -> dict:
     """A sampling setting as llama-server's `params` show it (/props, /slots, /infill's
     generation_settings)."""
     return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
-            "repeat_last_n": sampling.repeat_last_n, "repeat_penalty": sampling.repeat_penalty}  # fmt: skip
+            "repeat_last_n": sampling.repeat_last_n, "repeat_penalty": sampling.repeat_penalty}
 
 
 class LlamaRoutes:
-    """The routes above, for app.Service (which provides scheduler, model, settings, _check_key,
-    _check_model, _log, _submit, and the HTTP helpers _body, _next_event and _sse)."""
+    """The routes above, on the server's scheduler, target model and settings."""
+
+    def __init__(self, scheduler: Scheduler, model, settings: Settings):
+        self.scheduler, self.model, self.settings = scheduler, model, settings
+        self._fim: Optional[dict] = None  # the model's FIM tokens, read at the first use
+        self._special_pieces: dict[int, bytes] = {}
 
     # --- POST /infill -------------------------------------------------------------------------------
     async def infill(self, http: HttpRequest) -> Response:
-        self._check_key(http)
-        body = await self._body(http)
+        check_key(self.settings, http)
+        body = await read_json(http)
         missing = fim.missing_tokens(self._fim_tokens())
         if missing:
             raise ApiError(400, f"{self.model.path.name} has no fill-in-the-middle tokens ({', '.join(missing)} missing): /infill needs a code "
-                                "model trained for it, such as Qwen2.5-Coder; send the text to /v1/completions instead", code="infill_not_supported")  # fmt: skip
+                                "model trained for it, such as Qwen2.5-Coder; send the text to /v1/completions instead", code="infill_not_supported")
         req = parse_infill(body, self.settings.defaults, self.model.n_vocab)
-        self._check_model(req.model)
+        check_model(self.settings, req.model)
         prompt_ids = await run_in_threadpool(self._infill_ids, req)
         if req.n_predict is None or req.n_predict == -1:
             max_tokens = self.settings.default_max_tokens or self.scheduler.n_ctx
         else:
             max_tokens = max(1, req.n_predict)  # (0: llama-server evaluates the prompt and returns the one token it makes)
-        limits = LineLimits(req.n_indent, req.t_max_predict_ms)
-        job, events = self._submit(
-            prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=req.stop, limits=limits if limits.active else None,
+        submitted = submit(self.scheduler, Request(
+            prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=req.stop, limits=LineLimits(req.n_indent, req.t_max_predict_ms),
             fresh=not req.cache_prompt, cache_reuse=req.n_cache_reuse,
-        )  # fmt: skip
+        ))
         t0 = time.perf_counter()
         if req.stream:
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(self._infill_stream(job, events, req, t0, http), media_type="text/event-stream", headers=headers)
-        try:
-            while True:
-                event = await self._next_event(events, http)
-                if event is None:  # the client left: nobody to answer
-                    return Response(status_code=499)
-                if isinstance(event, Failed):
-                    raise ApiError(event.status, event.message)
-                if isinstance(event, Done):
-                    self._log(http, "infill", event, t0)
-                    gen = event.generation
-                    return JSONResponse(self._infill_final(req, event, gen.text, list(gen.token_ids) if req.return_tokens else []))
-        finally:
-            self.scheduler.cancel(job)
+            return sse_response(submitted.stream(lambda events: self._infill_events(events, req, len(prompt_ids), t0, http)))
+        finished = await submitted.finished(http)
+        if finished is None:  # the client left: nobody to answer
+            return Response(status_code=499)
+        event, _ = finished
+        log_done(self.settings, self.scheduler, http, event, t0)
+        gen = event.generation
+        return JSONResponse(self._infill_final(req, event, gen.text, list(gen.token_ids) if req.return_tokens else []))
 
-    async def _infill_stream(self, job: Job, events: asyncio.Queue, req: InfillRequest, t0: float, http: HttpRequest):
+    async def _infill_events(self, events: AsyncIterator[Event], req: InfillRequest, n_prompt: int, t0: float, http: HttpRequest):
         """llama-server's /infill stream: a `data: {...}` event per step with its text (its
         /completion partial object), then the final object with "stop": true (its text already
         sent); no [DONE]."""
-        _sse = self._sse
-        n_prompt, n_sent = len(job.prompt_ids), 0
-        try:
-            while True:
-                event = await events.get()
-                if isinstance(event, Delta):
-                    n_sent += len(event.tokens)
-                    yield _sse(self._infill_partial(event.text, list(event.tokens), n_sent, n_prompt))
-                elif isinstance(event, Failed):
-                    yield _sse(ApiError(event.status, event.message).body())
-                    break
-                else:
-                    gen = event.generation
-                    if event.tail or gen.token_ids[n_sent:]:
-                        yield _sse(self._infill_partial(event.tail, gen.token_ids[n_sent:], len(gen.token_ids), n_prompt))
-                    yield _sse(self._infill_final(req, event, "", []))
-                    self._log(http, "infill", event, t0)
-                    break
-        finally:
-            self.scheduler.cancel(job)
+        n_sent = 0
+        async for event in events:
+            if isinstance(event, Delta):
+                n_sent += len(event.tokens)
+                yield sse_event(self._infill_partial(event.text, list(event.tokens), n_sent, n_prompt))
+            elif isinstance(event, Failed):
+                yield sse_event(ApiError(event.status, event.message).body())
+            else:
+                gen = event.generation
+                if event.tail or gen.token_ids[n_sent:]:
+                    yield sse_event(self._infill_partial(event.tail, gen.token_ids[n_sent:], len(gen.token_ids), n_prompt))
+                yield sse_event(self._infill_final(req, event, "", []))
+                log_done(self.settings, self.scheduler, http, event, t0)
 
     def _infill_ids(self, req: InfillRequest) -> list[int]:
         n_ctx, server_n = self.scheduler.n_ctx, self.settings.default_max_tokens
@@ -308,7 +298,7 @@ class LlamaRoutes:
         ids = fim.infill_prompt(
             self.model, self._fim_tokens(), prefix=req.prefix, suffix=req.suffix, extra=req.extra, prompt=req.prompt, n_ctx=n_ctx,
             n_predict=server_n or -1, n_room=n_room,
-        )  # fmt: skip
+        )
         if len(ids) >= n_ctx:
             # (the extra context gave way already: what is left is the prefix, `prompt` and suffix,
             # at most fim.PREFIX_TAKE + fim.SUFFIX_TAKE + 4 tokens unless the prompt passes its share)
@@ -321,7 +311,7 @@ class LlamaRoutes:
                 400, f"the prefix, 'prompt' and suffix take {len(ids)} tokens with the FIM tokens (the prefix keeps its last "
                      f"{fim.PREFIX_TAKE:,} tokens, the suffix its first {fim.SUFFIX_TAKE:,} less the 'prompt's), but a request's context "
                      f"holds {n_ctx}; {fix}", param=param, code="context_length_exceeded",
-            )  # fmt: skip
+            )
         return ids
 
     def _infill_partial(self, text: str, tokens: list[int], n_decoded: int, n_prompt: int) -> dict:
@@ -333,10 +323,10 @@ class LlamaRoutes:
         spec = protocol.speculative(gen.stats, mode=scheduler.mode, draft_length=scheduler.draft_length, seed=gen.seed, stop_reason=gen.stop_reason)
         settings = {
             "n_predict": -1 if req.n_predict is None else req.n_predict, "max_tokens": -1 if req.n_predict is None else req.n_predict,
-            "seed": -1 if gen.seed is None else gen.seed, **sampling_json(req.sampling), "stop": list(req.stop),
+            "seed": -1 if gen.seed is None else gen.seed, **generation_settings(req.sampling), "stop": list(req.stop),
             "stream": req.stream, "n_indent": req.n_indent, "t_max_predict_ms": req.t_max_predict_ms or -1,
             "cache_prompt": req.cache_prompt, "n_cache_reuse": scheduler.cache_reuse if req.n_cache_reuse is None else req.n_cache_reuse,
-        }  # fmt: skip
+        }
         body = {
             "index": 0, "content": content, "tokens": tokens, "id_slot": event.slot, "stop": True, "model": self.settings.model_id,
             "tokens_predicted": len(gen.token_ids), "tokens_evaluated": len(gen.prompt_ids), "generation_settings": settings,
@@ -344,20 +334,18 @@ class LlamaRoutes:
             "truncated": gen.stop_reason == STOP_CONTEXT_FULL, "stop_type": STOP_TYPES.get(gen.stop_reason, "limit"),
             "stopping_word": gen.stop_word, "tokens_cached": len(gen.prompt_ids) + max(0, len(gen.token_ids) - 1),
             "timings": infill_timings(gen.stats), "speculative": spec,
-        }  # fmt: skip
+        }
         return nested_fields(req.response_fields, body) if req.response_fields else body
 
     def _fim_tokens(self) -> dict:
-        if getattr(self, "_fim", None) is None:
+        if self._fim is None:
             self._fim = self.model.fim_tokens()
         return self._fim
 
     def _special_piece(self, token: int) -> bytes:
         """The model's text of a token, control tokens included (cached: a prompt of a few
         thousand tokens is rendered in each /infill response)."""
-        cache = getattr(self, "_special_pieces", None)
-        if cache is None:
-            cache = self._special_pieces = {}
+        cache = self._special_pieces
         piece = cache.get(token)
         if piece is None:
             piece = cache[token] = self.model.special_piece(token)
@@ -365,8 +353,8 @@ class LlamaRoutes:
 
     # --- POST /tokenize, /detokenize, /apply-template ----------------------------------------------
     async def tokenize(self, http: HttpRequest) -> Response:
-        self._check_key(http)
-        body = _object(await self._body(http))
+        check_key(self.settings, http)
+        body = _object(await read_json(http))
         add_special, parse_special = _bool(body, "add_special", False), _bool(body, "parse_special", True)
         with_pieces = _bool(body, "with_pieces", False)
         if "content" not in body:
@@ -386,8 +374,8 @@ class LlamaRoutes:
         return JSONResponse({"tokens": out})
 
     async def detokenize(self, http: HttpRequest) -> Response:
-        self._check_key(http)
-        body = _object(await self._body(http))
+        check_key(self.settings, http)
+        body = _object(await read_json(http))
         # (a 16 MiB body holds millions of ids, a native call each: off the event loop, as /tokenize's)
         return await run_in_threadpool(self._detokenized, body.get("tokens", []))
 
@@ -403,8 +391,8 @@ class LlamaRoutes:
     async def apply_template(self, http: HttpRequest) -> Response:
         """The text /v1/chat/completions would evaluate for these messages (rendered with the
         same template and checks; tokenized, it gets BOS where the model wants one)."""
-        self._check_key(http)
-        body = _object(await self._body(http))
+        check_key(self.settings, http)
+        body = _object(await read_json(http))
         if "messages" not in body:
             raise ApiError(400, "'messages' is required", param="messages")
         messages = protocol.parse_messages(body["messages"])
@@ -418,15 +406,15 @@ class LlamaRoutes:
 
     # --- GET /props, /metrics, /slots --------------------------------------------------------------
     async def props(self, http: HttpRequest) -> Response:
-        self._check_key(http)
+        check_key(self.settings, http)
         s, scheduler, model = self.settings, self.scheduler, self.model
         sampling = s.defaults
         info = model.vocab_info()
         special = lambda t: pieces_text([self._special_piece(t)]) if 0 <= t < model.n_vocab else ""  # noqa: E731
         params = {
-            "seed": -1 if sampling.seed is None else sampling.seed, **sampling_json(sampling),
+            "seed": -1 if sampling.seed is None else sampling.seed, **generation_settings(sampling),
             "n_predict": s.default_max_tokens or -1, "max_tokens": s.default_max_tokens or -1, "stream": False,
-        }  # fmt: skip
+        }
         fim_ok = not fim.missing_tokens(self._fim_tokens())
         template = model.chat_template() or ""
         template = template[:-1] if template.endswith("\n") else template  # (one final newline is no part of a Jinja template's text: llama-server shows it without)
@@ -438,17 +426,17 @@ class LlamaRoutes:
             "build_info": f"specli {__version__}", "is_sleeping": False,
             "specli": {"version": __version__, "drafting": scheduler.mode, "draft_max": scheduler.draft_length.json_value,
                        "cache_reuse": scheduler.cache_reuse if scheduler.can_reuse else 0, "infill": fim_ok},
-        })  # fmt: skip
+        })
 
     async def metrics(self, http: HttpRequest) -> Response:
-        self._check_key(http)
+        check_key(self.settings, http)
         if not self.settings.metrics:
             raise ApiError(501, "This server does not support metrics endpoint. Start it with `--metrics`", kind=NOT_SUPPORTED)
         text = prometheus_text(self.scheduler.metrics(), queue_limit=self.scheduler.queue_limit)
         return Response(text, media_type="text/plain; version=0.0.4", headers={"Process-Start-Time-Unix": str(self.settings.created)})
 
     async def slots(self, http: HttpRequest) -> Response:
-        self._check_key(http)
+        check_key(self.settings, http)
         if not self.settings.slots:
             raise ApiError(501, "This server does not support slots endpoint. Start it with `--slots`", kind=NOT_SUPPORTED)
         scheduler = self.scheduler
@@ -458,13 +446,13 @@ class LlamaRoutes:
         out = []
         for state in states:
             entry = {"id": state["id"], "n_ctx": scheduler.n_ctx, "speculative": scheduler.mode != DraftMode.TARGET_ONLY,
-                     "is_processing": state["is_processing"], "n_cached": state["n_cached"]}  # fmt: skip
+                     "is_processing": state["is_processing"], "n_cached": state["n_cached"]}
             if state["is_processing"]:
                 entry.update(
-                    n_prompt_tokens=state["n_prompt_tokens"], params=sampling_json(state["sampling"]),
+                    n_prompt_tokens=state["n_prompt_tokens"], params=generation_settings(state["sampling"]),
                     next_token=[{"has_next_token": True, "has_new_line": state["has_new_line"], "n_remain": state["n_remain"], "n_decoded": state["n_decoded"]}],
                     generated=state["generated"],
-                )  # fmt: skip
+                )
             out.append(entry)
         return JSONResponse(out)
 
@@ -500,7 +488,7 @@ def prometheus_text(m: dict, *, queue_limit: int) -> str:
         ("gauge", "requests_processing", "Number of requests processing", m["processing"]),
         ("gauge", "requests_deferred", "Number of requests deferred", m["queued"]),
         ("gauge", "n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call", m["pass_sequences"] / max(passes, 1)),
-    ]  # fmt: skip
+    ]
     lines: list[str] = []
     for kind, name, help_text, value in llamacpp:
         lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {_number_text(value)}"]
@@ -516,7 +504,7 @@ def prometheus_text(m: dict, *, queue_limit: int) -> str:
         ("counter", "accepted_tokens_total", "Draft tokens accepted, by drafter", [(f'{{source="{s}"}}', a) for s, (_, a) in sorted(t.by_source.items())]),
         ("gauge", "queue_length", "Requests waiting for a slot", [("", m["queued"])]),
         ("gauge", "queue_limit", "Requests that may wait (--queue); one more is answered 503", [("", queue_limit)]),
-    ]  # fmt: skip
+    ]
     for kind, name, help_text, series in own:
         lines += [f"# HELP specli:{name} {help_text}", f"# TYPE specli:{name} {kind}"]
         lines += [f"specli:{name}{labels} {_number_text(value)}" for labels, value in series]

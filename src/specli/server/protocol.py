@@ -1,4 +1,4 @@
-"""The OpenAI wire format, without HTTP: a request body checked and turned into a `Request`,
+"""The OpenAI wire format, without HTTP: a request body checked and turned into an `ApiRequest` (the app makes the generation's decoding Request of it),
 and the response bodies and stream chunks built from a finished or running generation.
 
 Leniency follows the clients: unknown fields are ignored (editors and agents send vendor
@@ -17,9 +17,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from specli.decoding.engine import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_TOKENS, STOP_STRING
 from specli.decoding.sampling import JSON_FIELDS, SamplingParams
 from specli.decoding.stats import Stats
+from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_TOKENS, STOP_STRING
 from specli.errors import SettingError
 from specli.modes import DraftLength
 
@@ -39,7 +39,7 @@ NEUTRAL = {
     "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
     "suffix": ("",), "tools": ([],), "functions": ([],),
-}  # fmt: skip
+}
 
 
 class ApiError(Exception):
@@ -57,8 +57,8 @@ class ApiError(Exception):
 
 
 @dataclass
-class Request:
-    """One checked completion request."""
+class ApiRequest:
+    """One checked completion request, as the wire format has it."""
 
     kind: str  # CHAT or TEXT
     model: Optional[str]
@@ -96,8 +96,8 @@ QUOTE_CHARS = 100  # what an error message quotes of a value of the request, at 
 def quoted(value: Any) -> str:
     """A value of the request as an error message quotes it: its first QUOTE_CHARS characters,
     and its size when that is not all of it. Every message that quotes a value goes through
-    here: one that repeated a 1,000,000-entry `logit_bias` was a 15 MB answer. (reprlib: the
-    repr is built only as far as it can be shown.)"""
+    here, so that no answer grows with the request (one repeating a 1,000,000-entry
+    `logit_bias` would be 15 MB). (reprlib: the repr is built only as far as it can be shown.)"""
     text = repr(value[: QUOTE_CHARS + 1]) if isinstance(value, str) else _QUOTE.repr(value)
     cut = len(text) > QUOTE_CHARS
     if cut:
@@ -188,7 +188,7 @@ def parse_stop(value: Any) -> tuple[str, ...]:
     return tuple(unicode_text(s, "stop") for s in stops)
 
 
-def parse_request(body: Any, kind: str, defaults: SamplingParams) -> Request:
+def parse_request(body: Any, kind: str, defaults: SamplingParams) -> ApiRequest:
     """Check a decoded JSON body for /v1/chat/completions (CHAT) or /v1/completions (TEXT).
     `defaults`: the server's sampling settings (its command line), which a request overrides."""
     if not isinstance(body, dict):
@@ -239,18 +239,18 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> Request:
     parse_special = body.get("parse_special", True)
     if not isinstance(parse_special, bool):
         raise ApiError(400, "'parse_special' must be true or false", param="parse_special")
-    return Request(
+    return ApiRequest(
         kind=kind, model=model, messages=messages, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
         sampling=sampling, seed=seed, stop=parse_stop(body.get("stop")), stream=stream,
         include_usage=bool(options.get("include_usage")), parse_special=parse_special,
-    )  # fmt: skip
+    )
 
 
 # --- responses ------------------------------------------------------------------------------------
 FINISH_REASONS = {
     STOP_EOS: "stop", STOP_STRING: "stop", STOP_MAX_TOKENS: "length", STOP_CONTEXT_FULL: "length",
     STOP_INTERRUPTED: "length",  # the server is shutting down: the text is cut short
-}  # fmt: skip
+}
 
 
 def new_id(kind: str) -> str:
@@ -265,7 +265,7 @@ def speculative(stats: Stats, *, mode: str, draft_length: DraftLength, seed: Opt
     """This request's drafting figures (stats.py defines each), beside `usage`."""
     s = stats.to_dict()
     keep = ("drafted", "accepted", "acceptance_rate", "target_passes", "mean_tokens_per_pass", "tokens_per_s",
-            "prompt_tokens", "prompt_reused", "prompt_s", "wall_s", "mean_draft_length")  # fmt: skip
+            "prompt_tokens", "prompt_reused", "prompt_s", "wall_s", "mean_draft_length")
     return {"mode": mode, "draft_max": draft_length.json_value, **{k: s[k] for k in keep}, "seed": seed, "stop_reason": stop_reason}
 
 
@@ -284,7 +284,7 @@ def timings(stats: Stats) -> dict:
         "predicted_n": stats.n_tokens, "predicted_ms": round(gen_ms, 3),
         "predicted_per_second": round(stats.tokens_per_s or 0.0, 3),
         "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
-    }  # fmt: skip
+    }
 
 
 def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, extra: dict) -> dict:
@@ -297,7 +297,7 @@ def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str
 
 
 def chunk(kind: str, rid: str, model: str, created: int, *, text: Optional[str] = None, role: bool = False,
-          finish_reason: Optional[str] = None, extra: Optional[dict] = None, no_choices: bool = False) -> dict:  # fmt: skip
+          finish_reason: Optional[str] = None, extra: Optional[dict] = None, no_choices: bool = False) -> dict:
     """One streamed chunk: a piece of text, the chat's opening role, or the finish (with `extra`)."""
     if no_choices:
         choices = []

@@ -1,7 +1,7 @@
 """The server's generation loop, without HTTP: one thread owns the models; requests wait in a
 bounded queue for one of P slots; every pass verifies all active slots together.
 
-A slot is one of the step loop's (engine.py's StepLoop: with `--parallel 1`, the target's own
+A slot is one of the step loop's (decoding/loop.py's StepLoop: with `--parallel 1`, the target's own
 context, the very path `specli run` takes; else one sequence of a MultiSequenceContext, as
 `batch --parallel`), with its own drafter and one SpeculativeDecoder per sampling setting. Each
 pass is the loop's step: every active slot plans its draft, one target pass evaluates them all,
@@ -28,13 +28,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from specli.decoding.engine import DecoderPool, Generation, SequenceStep, StepLoop
+from specli.decoding.generation import Generation, Request
+from specli.decoding.loop import DecoderPool, StepLoop
 from specli.decoding.parallel import item_error
-from specli.decoding.sampling import SamplingParams
 from specli.decoding.stats import Stats
+from specli.decoding.step import SequenceStep
 from specli.errors import SpecliError
 from specli.llama.model import common_prefix_len
 from specli.session.loading import Loaded
+
 
 @dataclass
 class Delta:
@@ -60,17 +62,10 @@ Event = Delta | Done | Failed
 
 @dataclass(eq=False)
 class Job:
-    """One request's generation, as the loop sees it."""
+    """One request's generation, as the loop sees it: the Request, and how to answer."""
 
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
+    request: Request
     emit: Callable[[Event], None]
-    seed: Optional[int] = None
-    stop: tuple[str, ...] = ()
-    limits: Optional[object] = None  # decoding/limits.LineLimits (an /infill request's), or None
-    fresh: bool = False  # start from an empty cache (llama-server's cache_prompt: false)
-    cache_reuse: Optional[int] = None  # the request's n_cache_reuse (None: the server's --cache-reuse)
     cancelled: bool = False
     t_submitted: float = field(default_factory=time.perf_counter)
 
@@ -109,7 +104,7 @@ class Scheduler:
         self, loaded: Loaded, *, n_seq: int, queue_limit: int, n_threads: Optional[int] = None, describe=str,
         kv_type: str = "f16", flash_attn: str = "auto", prefill_batch: Optional[int] = None, release_models: bool = False,
         on_idle: Optional[Callable[[], Optional[float]]] = None, cache_reuse: int = 0,
-    ):  # fmt: skip
+    ):
         """prefill_batch: how many tokens of a new prompt go in between two passes of the other
         slots (default: the context's batch size, so that prompts go in run's very batches).
         release_models: with several slots, free the models' own contexts, which the slots'
@@ -132,7 +127,7 @@ class Scheduler:
             self.loop = StepLoop.on_sequences(
                 self.model_tgt, self.mode, self.draft_length, n_seq, n_threads=n_threads, model_dft=loaded.model_dft,
                 kv_type=kv_type, flash_attn=flash_attn, release_models=release_models, memory=loaded.memory,
-            )  # fmt: skip
+            )
         self.slots = [_ServeSlot(cache) for cache in self.loop.caches]
         self.prefill_batch = prefill_batch or self.loop.passes.n_batch
         self.n_ctx = self.slots[0].cache.n_ctx
@@ -208,7 +203,7 @@ class Scheduler:
             totals = Stats()
             totals.add(self.totals)
             return {"totals": totals, "counts": dict(self.counts), "pass_sequences": self.pass_sequences, "most_tokens": self.most_tokens,
-                    "processing": sum(slot.job is not None for slot in self.slots), "queued": len(self._pending)}  # fmt: skip
+                    "processing": sum(slot.job is not None for slot in self.slots), "queued": len(self._pending)}
 
     def slot_states(self) -> list[dict]:
         """Each slot's state for /slots: whether it is generating, and its generation so far."""
@@ -219,9 +214,9 @@ class Scheduler:
             state = {"id": s, "is_processing": job is not None, "n_cached": len(self.slots[s].cache.cached)}
             if job is not None:
                 gen = seq.gen if seq is not None else None
-                state.update(n_prompt_tokens=len(job.prompt_ids), n_decoded=len(gen.token_ids) if gen else 0,
-                             n_remain=job.max_tokens - (len(gen.token_ids) if gen else 0), generated=gen.text if gen else "",
-                             has_new_line="\n" in gen.text if gen else False, sampling=job.sampling)  # fmt: skip
+                state.update(n_prompt_tokens=len(job.request.prompt_ids), n_decoded=len(gen.token_ids) if gen else 0,
+                             n_remain=job.request.max_tokens - (len(gen.token_ids) if gen else 0), generated=gen.text if gen else "",
+                             has_new_line="\n" in gen.text if gen else False, sampling=job.request.sampling)
             states.append(state)
         return states
 
@@ -303,14 +298,11 @@ class Scheduler:
         self._uses += 1
         slot.last_used = self._uses
         try:
-            slot.seq = self.loop.start(
-                s, job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens, stop=job.stop, seed=job.seed, fresh=job.fresh,
-            )  # fmt: skip
-            slot.seq.gen.limits = job.limits
+            slot.seq = self.loop.start(s, job.request)
             slot.sent = slot.sent_tokens = 0
             slot.ready = False
             self._reuse(s, job)
-            if common_prefix_len(slot.cache.cached, job.prompt_ids) <= 1:
+            if common_prefix_len(slot.cache.cached, job.request.prompt_ids) <= 1:
                 # Nothing worth keeping (at most BOS): start from an empty cache, so the prompt is
                 # evaluated in the very batches `run` uses (another split rounds otherwise on
                 # quantized models, enough to flip a near-tie).
@@ -322,19 +314,18 @@ class Scheduler:
     def _caches(self, s: int) -> list:
         """Slot s's caches: the target's, and a draft model's (None without one)."""
         drafter = self.loop.pools[s].drafter
-        draft = getattr(drafter, "model_dft", None) or getattr(getattr(drafter, "draft", None), "model_dft", None)
-        return [self.slots[s].cache, draft]
+        return [self.slots[s].cache, None if drafter is None else drafter.draft_cache]
 
     def _reuse_min(self, job: Job) -> int:
         """The shortest chunk the job's prompt keeps from a slot's cache past the common prefix
         (--cache-reuse, or the request's n_cache_reuse); 0: it keeps the common prefix alone."""
-        n_min = self.cache_reuse if job.cache_reuse is None else job.cache_reuse
-        return n_min if n_min > 0 and self.can_reuse and not job.fresh else 0
+        n_min = self.cache_reuse if job.request.cache_reuse is None else job.request.cache_reuse
+        return n_min if n_min > 0 and self.can_reuse and not job.request.fresh else 0
 
     def _keepable(self, s: int, job: Job) -> int:
         """How much of slot s's target cache the job would keep (_assign's choice)."""
         cache, exact = self.slots[s].cache, self.slots[s].exact_upto[0]
-        common = common_prefix_len(cache.cached, job.prompt_ids)
+        common = common_prefix_len(cache.cached, job.request.prompt_ids)
         return common if exact is None or self._reuse_min(job) else min(common, exact)
 
     def _reuse(self, s: int, job: Job) -> None:
@@ -349,7 +340,7 @@ class Scheduler:
         approximate entry: its caches are cut to the exact ones first, so it gives what `run`
         gives, whatever an earlier request on the slot asked for."""
         slot, n_min = self.slots[s], self._reuse_min(job)
-        prompt = job.prompt_ids[:-1]  # (what the caches hold before the first pass: all but `last`)
+        prompt = job.request.prompt_ids[:-1]  # (what the caches hold before the first pass: all but `last`)
         for i, cache in enumerate(self._caches(s)):
             exact = slot.exact_upto[i]
             if cache is None:

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Optional, Union
 
-from specli.errors import UsageError
-from specli.files import open_to_read, read_limited, strip_bom, write_atomically
-from specli.decoding.engine import check_stop
+from specli.decoding.generation import Request
 from specli.decoding.sampling import JSON_FIELDS, SamplingParams, sampling_json
-from specli.errors import SettingError
 from specli.decoding.stats import Stats
+from specli.decoding.stopping import check_stop
+from specli.errors import SettingError, UsageError
+from specli.files import open_to_read, read_limited, strip_bom, write_atomically
+from specli.llama.model import LlamaModel
 
 # Per-item fields that override the command line, with the JSON types they accept.
 SAMPLING_FIELDS = JSON_FIELDS
@@ -56,6 +57,12 @@ class Item:
     prompt_ids: Optional[list[int]] = None  # the rendered conversation's tokens, set just before it runs
     parse_special: bool = True  # a raw prompt's control text becomes control tokens (off: --no-parse-special)
     stop: tuple[str, ...] = ()  # stop strings: the item's `stop`, else the command line's --stop
+
+    def request(self, model_tgt: LlamaModel) -> Request:
+        """The item's generation: a chat item's rendered tokens, else its raw prompt's as llama.cpp
+        makes them, its control text parsed unless the item says not to (LlamaModel.tokenize_prompt)."""
+        ids = self.prompt_ids if self.prompt_ids is not None else model_tgt.tokenize_prompt(self.prompt, parse_special=self.parse_special)
+        return Request(ids, max_tokens=self.max_tokens, sampling=self.sampling, seed=self.sampling.seed, stop=self.stop)
 
 
 @dataclass
@@ -558,7 +565,7 @@ class Summary:
             # and the wider passes (measure against --target-only for the real figure).
             "speedup_estimate": rnd(st.mean_tokens_per_pass),
             "prompt_tokens": st.prompt_tokens,
-        }  # fmt: skip
+        }
 
     def line(self, *, with_drafting: bool) -> str:
         """The summary for stderr."""

@@ -13,15 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Optional, Protocol
 
-from specli.decoding.engine import DecoderPool, Step
+from specli.decoding.generation import Step
+from specli.decoding.loop import DecoderPool
 from specli.decoding.parallel import Describe, ItemDone, ParallelRunner, run_sequential
 from specli.decoding.sampling import sampling_json
 from specli.errors import SpecliError, UsageError
 from specli.files import write_atomically
+from specli.llama.conversation import encode_conversation
 from specli.llama.native import init_backend
 from specli.modes import DraftMode
 from specli.session import batch
-from specli.session.chat import check_template_name, choose_formatter, encode_conversation
+from specli.session.chat import check_template_name, choose_formatter
 from specli.session.loading import Loaded, ModelChoice, Plan, plan
 
 
@@ -86,7 +88,7 @@ def prepare(settings: BatchSettings, stdin, *, verbose: bool = False) -> Prepare
         check_template_name(settings.template)  # before the (slow) load
     entries = batch.parse_lines(
         lines, fmt, settings.choice.sampling, settings.max_tokens, chat=use_chat, system=settings.system, stop=settings.stop,
-    )  # fmt: skip
+    )
     for entry in entries:
         if isinstance(entry, batch.Item):
             entry.parse_special = settings.parse_special  # (chat items' messages are text whatever it says)
@@ -102,7 +104,7 @@ def prepare(settings: BatchSettings, stdin, *, verbose: bool = False) -> Prepare
 def generate(
     job: PreparedBatch, loaded: Loaded, *, describe: Describe, progress: Callable[[int, bool], ContextManager[Progress]],
     notice: Callable[[str], None] = lambda text: None, stdout=None,
-) -> batch.Summary:  # fmt: skip
+) -> batch.Summary:
     """Generate every item not yet done, writing each record as it completes (to the output
     file, else `stdout` in input order); at the end the file is rewritten in input order. A
     Ctrl-C ends the run with what is done (Summary.interrupted). describe: an error's words in
@@ -135,7 +137,7 @@ def generate(
         runner = ParallelRunner(
             loaded.model_tgt, the_plan.mode, loaded.decoder.draft_length, settings.parallel, n_threads=settings.choice.threads,
             model_dft=loaded.model_dft, describe=describe, release_models=True, memory=loaded.memory,
-        )  # fmt: skip
+        )
         events: Iterator = runner.run(items)
     else:
         pool = DecoderPool(loaded.model_tgt, loaded.decoder.drafter, loaded.decoder.draft_length)

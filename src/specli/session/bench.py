@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from specli.decoding.engine import SpeculativeDecoder
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
+from specli.decoding.step import SpeculativeDecoder
 from specli.errors import UsageError
 from specli.files import read_limited, replace_text, strip_bom
 from specli.modes import MAX_DRAFT, DraftLength
@@ -136,7 +138,7 @@ def parse_ns(text: str) -> list[DraftLength]:
             ns.add(DraftLength.parse(item))
         except ValueError as err:
             raise UsageError(f"--draft-max takes 'auto' or draft lengths between 1 and {MAX_DRAFT}, separated by commas, like auto,2,4,8; {err}") from None
-    return sorted(ns, key=lambda n: (not n.is_auto, n.longest))
+    return sorted(ns, key=lambda n: (not n.is_auto, n.maximum))
 
 
 def config_order(n: int | str) -> tuple[int, int]:
@@ -257,7 +259,7 @@ class BenchLoop:
     """
 
     def __init__(self, loaded: "Loaded", prompts: Sequence[BenchPrompt], ns: list[DraftLength], repeat: int,
-                 max_tokens: int, sampling: "SamplingParams"):  # fmt: skip
+                 max_tokens: int, sampling: "SamplingParams"):
         model_tgt = loaded.model_tgt
         self._ids = [model_tgt.tokenize_prompt(p.text) for p in prompts]  # (as `run` makes a raw prompt's)
         for prompt, prompt_ids in zip(prompts, self._ids):
@@ -275,7 +277,7 @@ class BenchLoop:
         (allocations, caches), and that must not count against whichever configuration is first."""
         self._spec.set_draft_length(n)
         for decoder in (self._plain, self._spec):
-            decoder.generate(prompt_ids, max_tokens=8).run()
+            generate(decoder, Request(prompt_ids, max_tokens=8)).run()
 
     def runs(self) -> Iterator[Starting | Measured]:
         """Each job: Starting, then (once generated) Measured with its record. When sampling,
@@ -292,7 +294,7 @@ class BenchLoop:
     def _one_run(self, decoder: SpeculativeDecoder, job: BenchJob, prompt: BenchPrompt, seed: int | None) -> dict:
         """Generate once and return its record (see RECORD_FIELDS)."""
         budget = token_budget(prompt, self._max_tokens)
-        gen = decoder.generate(self._ids[job.prompt], max_tokens=budget, seed=seed)
+        gen = generate(decoder, Request(self._ids[job.prompt], max_tokens=budget, seed=seed))
         rejections = 0  # steps that ended at a rejected draft: for the estimate of α
         for step in gen:
             if step.n_drafted and step.n_accepted < step.n_drafted:
@@ -307,7 +309,7 @@ class BenchLoop:
             "acceptance_rate": st.acceptance_rate, "target_passes": st.target_passes,
             "mean_tokens_per_pass": st.mean_tokens_per_pass, "draft_s": st.draft_s, "verify_s": st.verify_s,
             "mean_draft_length": st.mean_draft_length,
-        }  # fmt: skip
+        }
 
 
 # ------------------------------------------------------------------------------------------
@@ -451,7 +453,7 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def _row(scenario: str, n: int, recs: list[dict], base_tps: float | None, pass_s: float | None,
-         twins: dict[tuple, float] | None = None) -> Row:  # fmt: skip
+         twins: dict[tuple, float] | None = None) -> Row:
     """Aggregate one configuration's records (see aggregate)."""
     tps = _median([r["tokens_per_s"] for r in recs])
     speedup = 1.0 if n == NO_DRAFTING and tps else _paired_speedup(recs, twins or {})
@@ -475,7 +477,7 @@ def _row(scenario: str, n: int, recs: list[dict], base_tps: float | None, pass_s
         mean_draft_length=_ratio(drafted, passes) if n else None,
         speedup_min=spread[0], speedup_max=spread[1], rounds=len(per_round) if spread[0] is not None else 0,
         impossible=above_bound(speedup, _ratio(tokens, passes)),
-    )  # fmt: skip
+    )
 
 
 def best_per_scenario(rows: list[Row]) -> dict[str, Row]:
@@ -579,15 +581,15 @@ def verdict(best: Row | None, *, lookup: bool = False, costs: PassCosts | None =
         gain += f", {best.acceptance:.0%} of drafts accepted"
     if above_bound(best.speedup, best.tokens_per_pass):
         return WITHIN_NOISE, (f"{gain}; impossible above its {best.tokens_per_pass:.2f} tokens per target pass "
-                              "(a target pass costs at least a plain one): a measurement fault, rerun on an idle machine")  # fmt: skip
+                              "(a target pass costs at least a plain one): a measurement fault, rerun on an idle machine")
     cap = costs.draft if costs is not None and not lookup else None
     if cap is not None and cap.speedup < MAYBE_AT:
         if best.speedup >= YES_AT:
             return WITHIN_NOISE, (f"{gain}; above the {cap.speedup:.2f}x the measured pass costs allow even with every "
-                                  "draft accepted: a measurement fault, rerun on an idle machine")  # fmt: skip
+                                  "draft accepted: a measurement fault, rerun on an idle machine")
         return "no", (f"{gain}; drafting with this draft model cannot pay on this machine: even with every draft "
                       f"accepted the measured pass costs allow at most {cap.speedup:.2f}x (N={cap.n}); use "
-                      "--target-only, or --lookup for copy-heavy work")  # fmt: skip
+                      "--target-only, or --lookup for copy-heavy work")
     if within_noise(best):
         return WITHIN_NOISE, f"{gain}; its rounds fall on both sides of target-only's speed"
     if best.speedup >= YES_AT:
@@ -606,7 +608,7 @@ def _why_slow(best: Row, lookup: bool, costs: PassCosts | None = None) -> str:
         # (a break-even no draft model keeps up is the machine's doing, not the draft's)
         fix = "use --target-only, or --lookup for copy-heavy work" if need >= RARE_ALPHA else "try a better-matched draft"
         return (f" (at the measured pass costs a draft must be accepted with per-token probability {alpha_text(need)} to break "
-                f"even, measured α {best.alpha:.2f}: {fix})")  # fmt: skip
+                f"even, measured α {best.alpha:.2f}: {fix})")
     if best.acceptance is None:
         return " (nothing was drafted: the text has nothing for lookup to copy)" if lookup else " (nothing was drafted)"
     if lookup and best.tokens_per_pass is not None and best.tokens_per_pass < 1.5:
@@ -627,16 +629,16 @@ RECORD_FIELDS = (
     "stop_reason", "tokens_per_s", "generation_s", "prompt_tokens", "prompt_s", "drafted",
     "accepted", "rejections", "acceptance_rate", "target_passes", "mean_tokens_per_pass",
     "draft_s", "verify_s", "mean_draft_length",
-)  # fmt: skip
+)
 
 
 def write_json(path: Path, settings: dict, records: list[dict], rows: list[Row],
-               held_out: dict[str, float] | None = None, costs: PassCosts | None = None) -> None:  # fmt: skip
+               held_out: dict[str, float] | None = None, costs: PassCosts | None = None) -> None:
     """{"settings", "runs" (one record per run), "summary" (the aggregated rows),
     "held_out_best" (per scenario, held_out_best's speedup), "costs" (PassCosts.to_json, or
     null when not measured)} as JSON."""
     doc = {"settings": settings, "runs": records, "summary": [asdict(row) for row in rows],
-           "held_out_best": held_out or {}, "costs": costs.to_json() if costs is not None else None}  # fmt: skip
+           "held_out_best": held_out or {}, "costs": costs.to_json() if costs is not None else None}
     _write(path, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
 
 

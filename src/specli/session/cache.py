@@ -82,7 +82,7 @@ def clear_cache() -> tuple[Path, int, int]:
     when one cannot be removed."""
     folder = cache_dir()
     return folder, _remove(cache_files(folder, POLICY_FILES, TEMPORARY_FILES), POLICY_FILES), _remove(
-        cache_files(folder, MEMORY_FILES, MEMORY_TEMPORARY), MEMORY_FILES)  # fmt: skip
+        cache_files(folder, MEMORY_FILES, MEMORY_TEMPORARY), MEMORY_FILES)
 
 
 def _remove(paths: list[Path], counted: str) -> int:

@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import errno
 import json
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
+from specli.decoding.generation import Request
+from specli.decoding.loop import generate
+from specli.decoding.sampling import sampling_json
+from specli.decoding.stats import Stats
 from specli.errors import UsageError
 from specli.files import input_limit_error, max_input_bytes, replace_text
+from specli.llama.conversation import encode_conversation
 from specli.llama.model import LlamaModel
 from specli.llama.native import terminated
 from specli.llama.templates import JinjaTemplate, TemplateRenderError, apply_chat_template, builtin_chat_templates
-from specli.session.loading import Loaded
-from specli.decoding.sampling import sampling_json
-from specli.decoding.stats import Stats
 from specli.modes import MAX_DRAFT, DraftLength, DraftMode
+from specli.session.loading import Loaded
 
 PLAIN = "plain"  # our fallback format for models without a usable template
 # A plain reply ends where the model starts the user's next turn (templates end a turn with an
@@ -147,112 +149,6 @@ def check_template_name(name: str) -> None:
     if name not in names:
         shown = ", ".join(n for n in ("chatml", "gemma", "llama3", "llama2", "mistral-v7", "phi3") if n in names)
         raise UsageError(f"unknown chat template '{name}'; use a llama.cpp built-in name such as {shown} ({len(names)} known)")
-
-
-def encode(model: LlamaModel, text: str) -> list[int]:
-    """Tokens of a rendered conversation. Templates contain special tokens (parse_special), and
-    some start with BOS themselves: add it only when the model wants one and it is missing."""
-    return _with_bos(model, model.tokenize(text, add_bos=False, parse_special=True))
-
-
-def _with_bos(model: LlamaModel, ids: list[int]) -> list[int]:
-    info = model.vocab_info()
-    if info.add_bos and (not ids or ids[0] != info.bos):
-        ids.insert(0, info.bos)
-    return ids
-
-
-def encode_conversation(model: LlamaModel, formatter: Formatter, system: Optional[str], messages: list[dict]) -> list[int]:
-    """Tokens of the conversation rendered by `formatter`, where only the template's own text
-    may become control tokens: a message holding a marker's text (`<start_of_turn>` typed into
-    a chat) is tokenized as that text, so that no message can forge a turn. Conversations
-    without such text are tokenized as a whole, as before.
-
-    Raises UsageError when a message holds a marker's text and the template changes message
-    text beyond trimming it (its spans cannot then be told apart from the template's)."""
-    text = formatter.render(system, messages)
-    contents = ([system] if system else []) + [m["content"] for m in messages]
-    if not any(_holds_control_text(model, c) for c in contents):
-        return encode(model, text)
-    spans = _content_spans(formatter, system, messages, contents, text)
-    if spans is None:
-        raise UsageError(
-            f"a message holds the text of one of the model's control tokens, and the chat template ({formatter.name}) "
-            "changes message text, so it cannot be kept apart from the template's own; remove it, or pass --template NAME"
-        )
-    # Where the template's own text holds control tokens (never inside a message) ...
-    marks: list[tuple[int, int, int]] = []  # (start, end, token)
-    edges = [0] + [p for span in spans for p in span] + [len(text)]
-    for start, end in zip(edges[0::2], edges[1::2]):
-        marks += _control_marks(model, text, start, end)
-    # ... and the text between them, tokenized as text: what llama.cpp does with parse_special,
-    # which tokenizes the text between two control tokens on its own (without the whitespace
-    # next to a token that strips it).
-    ids, at, strip_next = [], 0, False
-    for start, end, token in marks + [(len(text), len(text), None)]:
-        lstrip, rstrip = model.strips(token) if token is not None else (False, False)
-        piece = text[at:start]
-        piece = piece.lstrip(_C_SPACE) if strip_next else piece
-        piece = piece.rstrip(_C_SPACE) if lstrip else piece
-        if piece:
-            ids += model.tokenize(piece, add_bos=False, parse_special=False)
-        if token is not None:
-            ids.append(token)
-        at, strip_next = end, rstrip
-    return _with_bos(model, ids)
-
-
-_C_SPACE = " \t\n\v\f\r"  # what C's isspace() takes, as llama.cpp strips
-
-
-def _holds_control_text(model: LlamaModel, text: str) -> bool:
-    return any(model.is_control(t) for t in model.tokenize(text, add_bos=False, parse_special=True))
-
-
-def _content_spans(formatter: Formatter, system: Optional[str], messages: list[dict], contents: list[str], text: str) -> Optional[list[tuple[int, int]]]:
-    """Where each message's text lies in `text`, found by rendering the conversation again with a
-    mark in place of each message: the template's text between the marks must then be `text`'s,
-    and each message must sit between them as it is or trimmed. None when they do not match."""
-    mark = "\ue000{}\ue001"
-    shape = formatter.render(
-        mark.format(0) if system else None,
-        [dict(m, content=mark.format(k + bool(system))) for k, m in enumerate(messages)],
-    )
-    parts = re.split("\ue000(\\d+)\ue001", shape)  # template text, message number, template text, ...
-    spans, at = [], 0
-    for i, part in enumerate(parts):
-        if i % 2 == 0:
-            if not text.startswith(part, at):
-                return None
-            at += len(part)
-            continue
-        content, after = contents[int(part)], parts[i + 1]
-        for kept in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
-            if text.startswith(kept, at) and text.startswith(after, at + len(kept)):
-                spans.append((at, at + len(kept)))
-                at += len(kept)
-                break
-        else:
-            return None
-    return spans if at == len(text) else None
-
-
-def _control_marks(model: LlamaModel, text: str, start: int, end: int) -> list[tuple[int, int, int]]:
-    """The control tokens that llama.cpp finds in text[start:end] (template text only), as
-    (start, end, token) in order, longest first where two begin at one place."""
-    piece = text[start:end]
-    found = {t for t in model.tokenize(piece, add_bos=False, parse_special=True) if model.is_control(t)}
-    names = sorted({model.token_text(t).decode("utf-8", "replace"): t for t in found}.items(), key=lambda nt: -len(nt[0]))
-    marks, at = [], 0
-    while names and at < len(piece):
-        hits = [(piece.find(name, at), -len(name), name, t) for name, t in names]
-        hits = [h for h in hits if h[0] >= 0]
-        if not hits:
-            break
-        pos, _, name, token = min(hits)
-        marks.append((start + pos, start + pos + len(name), token))
-        at = pos + len(name)
-    return marks
 
 
 # --- fitting the context -------------------------------------------------------------------------
@@ -472,7 +368,7 @@ class ChatSession:
         if dropped and not self.options.quiet:
             self.notice(f"context full: dropped the oldest {dropped} exchange(s) to fit the {n_ctx}-token context with --max-tokens {self.options.max_tokens}")
         stop = (*self.formatter.stop, *self.options.stop)
-        gen = decoder.generate(ids, max_tokens=self.options.max_tokens, stop=stop)
+        gen = generate(decoder, Request(ids, max_tokens=self.options.max_tokens, stop=stop))
         interrupted = self.stream_generation(
             gen, self.out, self.err, show_text=True, live=not self.options.quiet and not self.options.verbose,
             show_accept=self.options.show_accept, with_drafting=self.with_drafting,

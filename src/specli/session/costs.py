@@ -130,7 +130,7 @@ class PassCosts:
             "lookup_ceiling": self.lookup.to_json(),
             "draft_ceiling": draft.to_json() if draft else None,
             "draft_break_even_alpha": break_even_alpha(self.target_s, self.draft_s) if draft else None,
-        }  # fmt: skip
+        }
 
 
 def conclusion(costs: PassCosts) -> str:
@@ -141,12 +141,12 @@ def conclusion(costs: PassCosts) -> str:
     parts = []
     if draft is not None and draft.speedup < 1.0:
         parts.append("with this draft model drafting cannot pay on this machine, even if every draft were accepted "
-                     f"(at most {draft.speedup:.2f}x, at N={draft.n})")  # fmt: skip
+                     f"(at most {draft.speedup:.2f}x, at N={draft.n})")
     elif draft is not None:
         alpha = break_even_alpha(costs.target_s, costs.draft_s)
         rare = ", which a draft model rarely keeps up outside text copied from its input" if alpha >= RARE_ALPHA else ""
         parts.append(f"with this draft model drafting can gain at most {draft.speedup:.2f}x (N={draft.n}) if every "
-                     f"draft is accepted, and breaks even from a per-token acceptance of {alpha_text(alpha)}{rare}")  # fmt: skip
+                     f"draft is accepted, and breaks even from a per-token acceptance of {alpha_text(alpha)}{rare}")
     parts.append(f"prompt lookup can gain up to {lookup.speedup:.2f}x (N={lookup.n}) where the text repeats its input (--lookup)")
     text = "; ".join(parts)
     if wide < NEARLY_FREE:
@@ -155,7 +155,7 @@ def conclusion(costs: PassCosts) -> str:
 
 
 def measure(model_tgt: "LlamaModel", model_dft: "LlamaModel | None", *, widths: tuple[int, ...] = WIDTHS,
-            samples: int = SAMPLES, depth: int = DEPTH) -> PassCosts:  # fmt: skip
+            samples: int = SAMPLES, depth: int = DEPTH) -> PassCosts:
     """Time the target's pass at each width (logits for every row, as a verification pass asks)
     and the draft model's one-token pass, each after `depth` tokens of context; medians. Every
     round times each once (the draft's pass DRAFT_PER_ROUND times) in shuffled order, so that a

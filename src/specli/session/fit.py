@@ -18,7 +18,8 @@ from specli.llama import rpc
 from specli.llama.devices import backend_devices
 from specli.models import fit
 from specli.models.hub import parse_hf_ref
-from specli.models.registry import Registry, RegistryEntry, draft_entry, load_effective_registry, looks_like_path, resolve_model_arg
+from specli.models.names import draft_entry, looks_like_path, resolve_model_arg
+from specli.models.registry import Registry, RegistryEntry, load_effective_registry
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +33,7 @@ class FitSettings:
     ngl: int  # target layers offloaded (-1: all)
     draft_ngl: int
     kv_type: str
-    n_draft: int  # draft tokens per step (sizes the logits buffer)
+    draft_length: int  # draft tokens per step (sizes the logits buffer)
     overhead_gb: float  # compute buffers and runtime
     device: Optional[str] = None  # --device: a GPU by index or name
     registry_file: Optional[str] = None
@@ -90,7 +91,7 @@ def check_fit(settings: FitSettings) -> FitCheck:
             raise UsageError(problem)
     machine = fit.detect_memory(s.device, backend_devices)
     overhead = round(s.overhead_gb * fit.GB)
-    est = fit.estimate(target, draft_shape, n_ctx=s.n_ctx, kv_type=s.kv_type, n_draft=s.n_draft, overhead=overhead)
+    est = fit.estimate(target, draft_shape, n_ctx=s.n_ctx, kv_type=s.kv_type, draft_length=s.draft_length, overhead=overhead)
     return FitCheck(s, registry, target, draft_shape, model_arg, draft_arg, machine, est)
 
 
@@ -115,7 +116,7 @@ def rpc_devices(endpoints: tuple[str, ...], timeout: float) -> list[tuple[str, i
 
 
 def fit_over_rpc(check: FitCheck, devices: list[tuple[str, int]], endpoints: tuple[str, ...],
-                 shares: tuple[float, ...] | None) -> RpcFit:  # fmt: skip
+                 shares: tuple[float, ...] | None) -> RpcFit:
     """Split the target's offloaded layers (-ngl) over `devices` (rpc_devices) by `shares`
     (--tensor-split; None: by free memory), the rest on this machine. UsageError when the
     shares do not match the devices."""
@@ -194,7 +195,7 @@ def _suggestions(check: FitCheck) -> list[fit.Suggestion]:
     s, target, draft, memory, est = check.settings, check.target, check.draft, check.machine, check.est
     model_arg, draft_arg, lookup = check.model_arg, check.draft_arg, s.lookup
     out = []
-    common = dict(kv_type=s.kv_type, n_draft=s.n_draft, overhead=est.overhead)
+    common = dict(kv_type=s.kv_type, draft_length=s.draft_length, overhead=est.overhead)
     best_ctx = fit.max_context(target, draft, memory, ngl=s.ngl, draft_ngl=s.draft_ngl, limit=s.n_ctx, **common)
     if best_ctx:
         out.append(fit.Suggestion("ctx", f"the largest context that fits is {best_ctx} tokens",

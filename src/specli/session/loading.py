@@ -13,23 +13,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specli import __version__
-
-from specli.decoding.policy import store as policy_store
-from specli.llama.compat import check_compatible
-from specli.decoding.engine import Generation, SpeculativeDecoder, draft_length_for
+from specli.decoding.generation import Generation
 from specli.decoding.memory import TokenMemory
 from specli.decoding.memory_drafter import drafter_with_memory
-from specli.session.memory_store import MemoryFile, tokenizer_fingerprint
+from specli.decoding.policy import store as policy_store
+from specli.decoding.sampling import GREEDY, SamplingParams
+from specli.decoding.step import SpeculativeDecoder, draft_length_for
 from specli.errors import IncompatibleDraftError, SpecliError, UsageError
 from specli.files import write_atomically
 from specli.gguf import check_model_path
+from specli.llama.compat import check_compatible
 from specli.llama.context import validate_ctx
 from specli.llama.model import LlamaModel
-from specli.models import fit
-from specli.modes import DraftLength, DraftMode
-from specli.models.registry import load_effective_registry, resolve_draft_arg, resolve_model_arg, resolve_source
-from specli.decoding.sampling import GREEDY, SamplingParams
 from specli.llama.rpc import RPC_TIMEOUT_S
+from specli.models import fit
+from specli.models.names import resolve_draft_arg, resolve_model_arg, resolve_source
+from specli.models.registry import load_effective_registry
+from specli.modes import DraftLength, DraftMode
+from specli.session.memory_store import MemoryFile, tokenizer_fingerprint
 
 MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIST = "off", "process", "persist"
 MEMORY_MODES = (MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIST)
@@ -168,7 +169,7 @@ def policy_key(p: Plan, choice: ModelChoice) -> dict:
         "mode": p.mode, "threads": choice.threads, "ngl": choice.ngl, "draft_ngl": choice.draft_ngl, "specli": __version__,
         # (a pass over the network costs otherwise: measurements for --rpc are kept apart)
         **({"rpc": list(choice.rpc), "tensor_split": choice.tensor_split, "draft_rpc": choice.draft_rpc} if choice.rpc else {}),
-    }  # fmt: skip
+    }
 
 
 def policy_state_path(key: dict) -> Path:
@@ -219,8 +220,8 @@ def plan(choice: ModelChoice) -> Plan:
         _refuse_memory(choice, "--target-only" if choice.target_only else "-d/--draft")
     if choice.branches > 1 and choice.memory == MEMORY_OFF:
         raise UsageError(f"--branches {choice.branches} verifies the memory's other candidates: it needs --memory (process or persist)")
-    # Kept although the CLI checks -c too: a library caller's n_ctx of 0 would give the model's
-    # whole training context, and one past MAX_CTX would wrap around inside llama.cpp.
+    # (library callers reach this without the CLI's check: an n_ctx of 0 would give the model's
+    # whole training context, and one past MAX_CTX would wrap around inside llama.cpp)
     validate_ctx(choice.n_ctx)
 
     # The shipped models.toml plus the user's own (SPECLI_MODELS or the config dir's).
@@ -318,7 +319,7 @@ def load(p: Plan, choice: ModelChoice) -> Loaded:
     model_tgt = LlamaModel(
         p.target_path, n_ctx=choice.n_ctx, n_gpu_layers=choice.ngl, n_threads=choice.threads,
         devices=devices_tgt, tensor_split=choice.tensor_split, branches=choice.branches,
-    )  # fmt: skip
+    )
     model_dft = None
     try:
         if model_tgt.is_recurrent_or_hybrid:

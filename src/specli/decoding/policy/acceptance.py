@@ -26,7 +26,7 @@ def expected_tokens(accept: Sequence[float]) -> list[float]:
 
 
 def best_length(accept: Sequence[float], t_draft: float, pass_cost: Callable[[int], float],
-                plain_cost: float | None = None, start_cost: float = 0.0, going_rate: float | None = None) -> int:  # fmt: skip
+                plain_cost: float | None = None, start_cost: float = 0.0, going_rate: float | None = None) -> int:
     """The k in 0 .. len(accept) with the highest E(k) / (start_cost + k t_draft + T(k+1)).
 
     `accept[i]` is a_i; `pass_cost(n)` is T(n); `plain_cost` is what a pass costs in plain
@@ -128,7 +128,7 @@ class CopyAcceptance:
         return any(r.refused for r in self.records)
 
     def observe(self, match: int, n_drafted: int, n_accepted: int, agreed: int | None = None,
-                fork: int | None = None) -> None:  # fmt: skip
+                fork: int | None = None) -> None:
         b = self.bin(match)
         self.records[b].observe(n_drafted, n_accepted)
         agreed = agreed or 0
@@ -212,7 +212,7 @@ def fade(judged: Sequence[float], accepted: Sequence[float]) -> tuple[list[float
 
 
 def gated_rate(first: ConfidenceCalibration, later: Sequence[float], t_draft: float, costs: Sequence[float],
-               start_cost: float = 0.0) -> float | None:  # fmt: skip
+               start_cost: float = 0.0) -> float | None:
     """Tokens per second of drafting with a confidence gate: pay start_cost + t_draft to see
     the first token's confidence, keep it (and continue with the best number of later drafts,
     accepted with the rates `later`) only in the bins where that pays, else make a plain pass.

@@ -24,13 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from specli.decoding.policy.acceptance import (
-    ConfidenceCalibration, CopyAcceptance, PositionalAcceptance, best_length, expected_tokens, gated_rate,
-)  # fmt: skip
-from specli.decoding.policy.constants import (
-    CEILING_ACCEPT, COPY_REACH, FIRST_LOOK, NOISE, PRIOR_DRAFT_COST, PRIOR_SLOPE, PRIOR_WEIGHT,
-    PROBE_BUDGET, REACH_COST, REACH_MIN, RECENT, RECHECK_EVERY,
-)  # fmt: skip
+from specli.decoding.policy.acceptance import ConfidenceCalibration, CopyAcceptance, PositionalAcceptance, best_length, expected_tokens, gated_rate
+from specli.decoding.policy.constants import CEILING_ACCEPT, COPY_REACH, FIRST_LOOK, NOISE, PRIOR_DRAFT_COST, PRIOR_SLOPE, PRIOR_WEIGHT, PROBE_BUDGET, REACH_COST, REACH_MIN, RECENT, RECHECK_EVERY
 from specli.decoding.policy.costs import PassCost, contended, recent_timings, running_time
 from specli.decoding.policy.judge import DraftJudge
 from specli.decoding.policy.store import Cost, Saved, SourceRecord
@@ -311,7 +306,7 @@ class AdaptivePolicy(DraftJudge):
         return expected_tokens(plan.rates[:k])[k] / (self._start_cost(state) + k * plan.t_draft + plan.costs[k + 1])
 
     def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0, agreed: int | None = None,
-              cap: int | None = None) -> int:  # fmt: skip
+              cap: int | None = None) -> int:
         plan = self.plan = ProposalPlan(source, source)
         state = self.source(source)
         if match > 0 and not state.runs_model:
@@ -409,7 +404,7 @@ class AdaptivePolicy(DraftJudge):
         return True
 
     def _limit_copy(self, plan: ProposalPlan, state: SourceState, n_max: int, context_len: int, match: int,
-                    agreed: int | None, cap: int | None) -> int:  # fmt: skip
+                    agreed: int | None, cap: int | None) -> int:
         """limit() for a drafter that copies the text and says how long its match is (prompt
         lookup). Its acceptance is judged on that evidence every step (CopyAcceptance), so
         nothing here waits for a probe: a match long enough to pay drafts at once, whatever
@@ -601,7 +596,7 @@ class AdaptivePolicy(DraftJudge):
         self._credit = min(credit + PROBE_BUDGET * step_s, cap)
 
     def _check_seed(self, n_tokens: int, seconds: float, cold: bool, context_len: int, utilization: float | None,
-                    steady_plain: bool, contended: bool) -> None:  # fmt: skip
+                    steady_plain: bool, contended: bool) -> None:
         """Compare the run's own passes with what the saved costs predict: the median of the
         first FIRST_LOOK ratios of each kind outside 1/NOISE .. NOISE drops them (a machine
         that changed, or saved costs measured under another load)."""

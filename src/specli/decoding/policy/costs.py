@@ -106,7 +106,7 @@ class PassCost:
         self.samples: dict[int, deque[tuple[float, float | None]]] = {}
 
     def observe(self, n_tokens: int, seconds: float, cold: bool = False, context: int = 0,
-                utilization: float | None = None) -> None:  # fmt: skip
+                utilization: float | None = None) -> None:
         """A pass over n_tokens after `context` tokens took `seconds` (using `utilization` CPU
         seconds per second). `cold`: it ran in another regime than the one its size is priced
         for (a wide pass after a step that ran no draft model, a one-token pass other than plain
@@ -152,7 +152,7 @@ class PassCost:
         if n_tokens >= 2:
             w, wn, wnn, wt, wnt = self._fit
             self._fit = [w + weight, wn + weight * n_tokens, wnn + weight * n_tokens**2, wt + weight * seconds,
-                         wnt + weight * n_tokens * seconds]  # fmt: skip
+                         wnt + weight * n_tokens * seconds]
             self._widest = max(self._widest, n_tokens)
 
     def medians(self, usual_utilization: float | None) -> dict[int, tuple[float, int]]:
@@ -212,3 +212,56 @@ class PassCost:
         """PRIOR_SLOPE of a one-token pass, scaled from the shortest pass measured."""
         shortest = min(self._mean)
         return PRIOR_SLOPE * self._mean[shortest] / (1 + PRIOR_SLOPE * (shortest - 1))
+
+
+class SharedPassCost:
+    """How a pass shared by several sequences is split among them, for their -n auto policies.
+
+    A pass over T tokens costs about a + b*T: a (reading the weights) whatever T, b per token.
+    Split in proportion to tokens, every sequence would see a linear cost, b + a/T a token,
+    and conclude that drafting never pays, although the passes get fewer and the throughput
+    higher when they draft: each one's drafts are paid by b each, while a is paid once a pass
+    however many tokens are in it. So each sequence is charged an equal part of the pass as
+    it would be with every sequence decoding plain, (a + b*N)/N for N sequences, plus b for
+    each token it adds beyond its own one: what its drafts add to the pass. The charges add up
+    to the pass. a and b are fitted to the passes seen (least squares, recent passes weighing
+    more); until the passes' sizes vary enough, the split is by tokens.
+    """
+
+    DECAY = 0.98  # per pass: a pass's weight halves after about 35 more
+    MIN_SPREAD = 0.5  # tokens: the standard deviation of pass sizes a fit needs
+
+    def __init__(self):
+        self._w = self._t = self._s = self._tt = self._ts = 0.0
+
+    def add(self, n_tokens: int, pass_s: float) -> None:
+        d = self.DECAY
+        self._w, self._t, self._s = self._w * d + 1, self._t * d + n_tokens, self._s * d + pass_s
+        self._tt, self._ts = self._tt * d + n_tokens * n_tokens, self._ts * d + n_tokens * pass_s
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) of the recent passes, or None while their sizes hardly vary (a spread of
+        under half a token: one odd pass must not set the slope). A pass that costs the same
+        whatever its size (a GPU below its compute limit) gives b = 0: drafts then cost nothing
+        extra, and each sequence pays 1/N."""
+        w, t, s, tt, ts = self._w, self._t, self._s, self._tt, self._ts
+        var = tt * w - t * t
+        if w < 2 or var < self.MIN_SPREAD**2 * w * w:
+            return None
+        b = (ts * w - t * s) / var
+        a = (s - b * t) / w
+        if b < 0:
+            a, b = s / w, 0.0
+        elif a < 0:
+            a, b = 0.0, ts / tt
+        return (a, b) if a + b > 0 else None
+
+    def shares(self, n_tokens: dict[int, int]) -> dict[int, float]:
+        """Each sequence's part of a pass over n_tokens[s] tokens of each (adding up to 1)."""
+        total = sum(n_tokens.values())
+        fit = self.fit()
+        if fit is None:
+            return {s: n / total for s, n in n_tokens.items()}
+        a, b = fit
+        base = (a + b * len(n_tokens)) / len(n_tokens)
+        return {s: (base + b * (n - 1)) / (a + b * total) for s, n in n_tokens.items()}

@@ -14,7 +14,7 @@ class DraftJudge:
     wants_confidence = False  # whether `keep` is to be asked (it needs the draft's probabilities)
 
     def limit(self, source: str, n_max: int, context_len: int = 0, match: int = 0, agreed: int | None = None,
-              cap: int | None = None) -> int:  # fmt: skip
+              cap: int | None = None) -> int:
         """How many tokens of `source` are worth proposing now (0 = none), at most n_max, the
         context being context_len tokens long. A drafter that copies the text (prompt lookup)
         tells its evidence: `match`, how many tokens at the end of the context repeat those

@@ -1,4 +1,7 @@
-"""The code-completion limits of llama-server's /infill requests, which editors rely on to get a
+"""How a generation stops: its reasons (STOP_*), its stop strings, and the code-completion
+limits of llama-server's /infill requests (LineLimits). Generation.record applies them.
+
+The code-completion limits of llama-server's /infill requests, which editors rely on to get a
 completion that stops where the code block it completes ends:
 
 - n_indent: the generation ends at the first line (after the cursor's own) that starts with
@@ -19,9 +22,54 @@ ever sent, streamed or not.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-from specli.decoding.engine import STOP_INDENT, STOP_TIME_LIMIT
+from specli.errors import SettingError
+
+STOP_EOS = "eos"
+STOP_MAX_TOKENS = "max_tokens"
+STOP_CONTEXT_FULL = "context_full"
+STOP_INTERRUPTED = "interrupted"
+STOP_STRING = "stop"  # the text reached one of the generation's stop strings
+# An /infill request's limits (LineLimits, below): a line indented less than n_indent, and a
+# newline after t_max_predict_ms; like a stop string, each cuts the text where it ends.
+STOP_INDENT = "indent"
+STOP_TIME_LIMIT = "time_limit"
+_CUTTING = (STOP_STRING, STOP_INDENT, STOP_TIME_LIMIT)  # reasons whose cut leaves no held text to flush
+
+
+def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
+    """The stop strings as a tuple; SettingError("stop") for an empty one (it would match at once)."""
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise SettingError("stop", lambda name: f"{name} needs non-empty text (an empty stop string would end every generation at once)")
+    return stop
+
+
+def first_stop(text: str, start: int, stop: Sequence[str]) -> int | None:
+    """Where the first stop string to be completed in `text` after position `start` begins
+    (None: none is). Scanning end positions in order makes the cut the one a character-by-
+    character stream would find, however the text is split into tokens; at one end position
+    the longest stop string wins (it begins first)."""
+    by_length = sorted(stop, key=len, reverse=True)
+    for end in range(start + 1, len(text) + 1):
+        for s in by_length:
+            if text.endswith(s, 0, end):
+                return end - len(s)
+    return None
+
+
+def partial_stop_len(text: str, stop: Sequence[str]) -> int:
+    """The length of the longest end of `text` that begins a stop string without completing
+    it: text that must be held back until what follows shows whether a stop string is there."""
+    longest = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
 
 _INDENT = " \t"
 

@@ -1,0 +1,129 @@
+"""A conversation as prompt tokens: rendered by a chat format (session/chat.py's Formatter, which
+renders with the model's template, templates.py), then tokenized so that only the template's own
+text may become control tokens. `specli chat`, `run`/`batch` with --chat and the server's chat
+route all encode a conversation here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Protocol
+
+from specli.errors import UsageError
+from specli.llama.model import LlamaModel
+
+
+class ChatFormat(Protocol):
+    """What encoding needs of a chat format: its name (for errors) and its rendering."""
+
+    name: str
+
+    def render(self, system: Optional[str], messages: list[dict]) -> str:
+        """The conversation as text, ending with the opening of the assistant's turn."""
+        ...
+
+
+def encode(model: LlamaModel, text: str) -> list[int]:
+    """Tokens of a rendered conversation. Templates contain special tokens (parse_special), and
+    some start with BOS themselves: add it only when the model wants one and it is missing."""
+    return _with_bos(model, model.tokenize(text, add_bos=False, parse_special=True))
+
+
+def _with_bos(model: LlamaModel, ids: list[int]) -> list[int]:
+    info = model.vocab_info()
+    if info.add_bos and (not ids or ids[0] != info.bos):
+        ids.insert(0, info.bos)
+    return ids
+
+
+def encode_conversation(model: LlamaModel, formatter: ChatFormat, system: Optional[str], messages: list[dict]) -> list[int]:
+    """Tokens of the conversation rendered by `formatter`, where only the template's own text
+    may become control tokens: a message holding a marker's text (`<start_of_turn>` typed into
+    a chat) is tokenized as that text, so that no message can forge a turn. Conversations
+    without such text are tokenized as a whole.
+
+    Raises UsageError when a message holds a marker's text and the template changes message
+    text beyond trimming it (its spans cannot then be told apart from the template's)."""
+    text = formatter.render(system, messages)
+    contents = ([system] if system else []) + [m["content"] for m in messages]
+    if not any(_holds_control_text(model, c) for c in contents):
+        return encode(model, text)
+    spans = _content_spans(formatter, system, messages, contents, text)
+    if spans is None:
+        raise UsageError(
+            f"a message holds the text of one of the model's control tokens, and the chat template ({formatter.name}) "
+            "changes message text, so it cannot be kept apart from the template's own; remove it, or pass --template NAME"
+        )
+    # Where the template's own text holds control tokens (never inside a message) ...
+    marks: list[tuple[int, int, int]] = []  # (start, end, token)
+    edges = [0] + [p for span in spans for p in span] + [len(text)]
+    for start, end in zip(edges[0::2], edges[1::2]):
+        marks += _control_marks(model, text, start, end)
+    # ... and the text between them, tokenized as text: what llama.cpp does with parse_special,
+    # which tokenizes the text between two control tokens on its own (without the whitespace
+    # next to a token that strips it).
+    ids, at, strip_next = [], 0, False
+    for start, end, token in marks + [(len(text), len(text), None)]:
+        lstrip, rstrip = model.strips(token) if token is not None else (False, False)
+        piece = text[at:start]
+        piece = piece.lstrip(_C_SPACE) if strip_next else piece
+        piece = piece.rstrip(_C_SPACE) if lstrip else piece
+        if piece:
+            ids += model.tokenize(piece, add_bos=False, parse_special=False)
+        if token is not None:
+            ids.append(token)
+        at, strip_next = end, rstrip
+    return _with_bos(model, ids)
+
+
+_C_SPACE = " \t\n\v\f\r"  # what C's isspace() takes, as llama.cpp strips
+
+
+def _holds_control_text(model: LlamaModel, text: str) -> bool:
+    return any(model.is_control(t) for t in model.tokenize(text, add_bos=False, parse_special=True))
+
+
+def _content_spans(formatter: ChatFormat, system: Optional[str], messages: list[dict], contents: list[str], text: str) -> Optional[list[tuple[int, int]]]:
+    """Where each message's text lies in `text`, found by rendering the conversation again with a
+    mark in place of each message: the template's text between the marks must then be `text`'s,
+    and each message must sit between them as it is or trimmed. None when they do not match."""
+    mark = "\ue000{}\ue001"
+    shape = formatter.render(
+        mark.format(0) if system else None,
+        [dict(m, content=mark.format(k + bool(system))) for k, m in enumerate(messages)],
+    )
+    parts = re.split("\ue000(\\d+)\ue001", shape)  # template text, message number, template text, ...
+    spans, at = [], 0
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            if not text.startswith(part, at):
+                return None
+            at += len(part)
+            continue
+        content, after = contents[int(part)], parts[i + 1]
+        for kept in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+            if text.startswith(kept, at) and text.startswith(after, at + len(kept)):
+                spans.append((at, at + len(kept)))
+                at += len(kept)
+                break
+        else:
+            return None
+    return spans if at == len(text) else None
+
+
+def _control_marks(model: LlamaModel, text: str, start: int, end: int) -> list[tuple[int, int, int]]:
+    """The control tokens that llama.cpp finds in text[start:end] (template text only), as
+    (start, end, token) in order, longest first where two begin at one place."""
+    piece = text[start:end]
+    found = {t for t in model.tokenize(piece, add_bos=False, parse_special=True) if model.is_control(t)}
+    names = sorted({model.token_text(t).decode("utf-8", "replace"): t for t in found}.items(), key=lambda nt: -len(nt[0]))
+    marks, at = [], 0
+    while names and at < len(piece):
+        hits = [(piece.find(name, at), -len(name), name, t) for name, t in names]
+        hits = [h for h in hits if h[0] >= 0]
+        if not hits:
+            break
+        pos, _, name, token = min(hits)
+        marks.append((start + pos, start + pos + len(name), token))
+        at = pos + len(name)
+    return marks
