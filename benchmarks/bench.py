@@ -10,9 +10,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import completion, drafting, host, memory, rpc, serve, synthetic  # noqa: E402
+from harness import completion, drafting, host, memory, rpc, serve, structured, synthetic  # noqa: E402
 
-ENTRY_POINTS = {"drafting": drafting, "completion": completion, "serve": serve, "memory": memory, "host": host, "rpc": rpc, "pairs": synthetic}
+ENTRY_POINTS = {"drafting": drafting, "completion": completion, "serve": serve, "memory": memory, "host": host, "rpc": rpc, "structured": structured, "pairs": synthetic}
 
 
 def main(argv=None) -> int:

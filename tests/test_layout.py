@@ -81,6 +81,7 @@ FLOORS = (
     ("specli.files",),  # on errors: reading and writing files safely
     ("specli.gguf",),  # the GGUF header reader (opens model files through specli.files)
     ("specli.llama", "specli.models"),  # llama.cpp; the registry, hub and fit: side by side
+    ("specli.constraints",),  # grammars and schemas on a model's vocabulary (llguidance); decoding sees only Request.constraint
     ("specli.decoding",),
     ("specli.session",),
     ("specli.server",),

@@ -784,3 +784,49 @@ def test_busy_port_fails_at_once_naming_it(gemma_path):
     assert len(lines) == 1, result.stderr  # before loading: no notices, no listening line
     assert lines[0].startswith("specli: error: ") and str(port) in lines[0] and "--port" in lines[0]
     assert result.stdout == ""
+
+
+# --- structured output -------------------------------------------------------------------------------
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+                 "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_response_format_json_schema_gives_json_that_validates(server, model_id, stream):
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    kw = dict(model=model_id, messages=[{"role": "user", "content": "Ada Lovelace was 36."}], max_tokens=64, temperature=0,
+              response_format=response_format)
+    client = server.client()
+    if stream:
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(stream=True, **kw) if chunk.choices)
+    else:
+        reply = client.chat.completions.create(**kw)
+        text = reply.choices[0].message.content
+        assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON_SCHEMA)
+
+
+def test_json_object_and_llama_server_fields_constrain_completions(server, model_id):
+    pytest.importorskip("llguidance")
+    client = server.client()
+    obj = client.completions.create(model=model_id, prompt="A JSON object:", max_tokens=48, temperature=0, extra_body={"json_schema": PERSON_SCHEMA})
+    assert set(json.loads(obj.choices[0].text)) == {"name", "age"}
+    yes_no = client.completions.create(model=model_id, prompt="Is water wet?", max_tokens=8, temperature=0,
+                                       extra_body={"grammar": 'root ::= "yes" | "no"'})
+    assert yes_no.choices[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}}, "response_format"),
+    ({"grammar": "root ::= ("}, "grammar"),
+    ({"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "grammar"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+])
+def test_a_constraint_that_does_not_compile_is_a_400_naming_it(server, model_id, body, field):
+    pytest.importorskip("llguidance")
+    with server.http() as http:
+        response = http.post("/v1/chat/completions", json={"model": model_id, "messages": [{"role": "user", "content": "hi"}], **body})
+    error = assert_error_body(response, 400)
+    assert error["param"] == field, error

@@ -18,7 +18,7 @@ from typing import Literal, Optional
 import typer
 
 from specli.cli.options import (
-    Drafting, DraftMemory, Models, Placement, Quiet, Sampling, Stop, Threads, Verbose, check_parallel, error_message, flatten,
+    Constrain, Drafting, DraftMemory, Models, Placement, Quiet, Sampling, Stop, Threads, Verbose, check_parallel, error_message, flatten,
     load_models, max_tokens_option, model_choice, require_stdout, stop_strings
 )
 from specli.cli.run import ChatFlag, NoParseSpecial, System, Template
@@ -47,6 +47,7 @@ def batch_command(
     drafting: Drafting,
     max_tokens: int = max_tokens_option("Generated tokens at most per item (an item's max_tokens overrides it)."),
     stop: Stop = None,
+    constrain: Constrain,
     placement: Placement,
     memory: DraftMemory = "off",
     threads: Threads = None,
@@ -67,6 +68,7 @@ def batch_command(
         raise UsageError("--no-parse-special is for raw prompts; with --chat every prompt is a message, always tokenized as text: drop one of them")
     choice = model_choice(models, placement, sampling, threads=threads, seed=seed, drafting=drafting, memory=memory)
     stops = stop_strings(stop)
+    grammar = constrain.grammar_asked()  # (every item's, unless it has its own; checked before the load)
     check_parallel(parallel, placement.n_ctx, choice.branches)
     out_path = _check_output(output, input_path, resume=resume, overwrite=overwrite)
     if summary_path is not None:
@@ -75,7 +77,7 @@ def batch_command(
     try:
         settings = batch_run.BatchSettings(
             input_path, out_path, choice, max_tokens, parallel=parallel, input_format=input_format, overwrite=overwrite,
-            force=force, stop=stops, chat=chat, system=system, template=template, parse_special=not no_parse_special,
+            force=force, stop=stops, chat=chat, system=system, template=template, parse_special=not no_parse_special, grammar=grammar,
         )
         return _batch(settings, output=output, summary_path=summary_path, quiet=quiet, verbose=verbose)
     finally:

@@ -9,9 +9,10 @@ from typing import Optional
 import typer
 
 from specli.cli.options import (
-    ChatMemory, Drafting, Models, Placement, Quiet, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models,
+    ChatMemory, Constrain, Drafting, Models, Placement, Quiet, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models,
     max_tokens_option, model_choice, require_stdout, stop_strings
 )
+from specli.constraints import Constraint
 from specli.session.loading import plan
 
 commands = typer.Typer()
@@ -25,6 +26,7 @@ def chat(
     drafting: Drafting,
     max_tokens: int = max_tokens_option("Generated tokens at most per reply."),
     stop: Stop = None,
+    constrain: Constrain,
     memory: ChatMemory = "off",
     placement: Placement,
     threads: Threads = None,
@@ -44,6 +46,7 @@ def chat(
     require_stdout()  # (the replies)
     choice = model_choice(models, placement, sampling, threads=threads, seed=seed, drafting=drafting, memory=memory)
     stops = stop_strings(stop)
+    grammar = constrain.grammar_asked()  # (every reply's; checked before the load)
     reader = LineReader(sys.stdin, sys.stdout, sys.stderr)  # a bad SPECLI_MAX_INPUT_BYTES: before the load
     init_backend(verbose=verbose)
     if template is not None:
@@ -54,7 +57,9 @@ def chat(
         formatter, notice = choose_formatter(loaded.model_tgt, template)
         if notice and not quiet:
             print(notice, file=sys.stderr)
-        options = ChatOptions(max_tokens=max_tokens, system=system, quiet=quiet, verbose=verbose, show_accept=show_accept, stop=stops)
+        constraint = None if grammar is None else Constraint(grammar, loaded.model_tgt)
+        options = ChatOptions(max_tokens=max_tokens, system=system, quiet=quiet, verbose=verbose, show_accept=show_accept, stop=stops,
+                              constraint=constraint)
         # The terminal's width is read per reply: it may be resized during a chat.
         summary = lambda stats, **kw: summary_line(stats, verbose=verbose, width=terminal_width(sys.stderr), **kw)  # noqa: E731
         stream = functools.partial(stream_generation, trace=sys.stderr) if verbose else stream_generation  # (--verbose: tree passes)

@@ -28,10 +28,12 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from specli.constraints import Grammar
 from specli.decoding.branches import MAX_BRANCHES
 from specli.decoding.sampling import SamplingParams
 from specli.decoding.stopping import check_stop
 from specli.errors import SettingError, SpecliError, UsageError
+from specli.files import read_limited
 from specli.llama.context import MAX_CTX, MIN_CTX
 from specli.modes import MAX_DRAFT, DraftLength
 from specli.session.loading import MEMORY_BOUND, MEMORY_OFF, MEMORY_PERSIST, MEMORY_PROCESS, MEMORY_SAVE_EVERY_S, Loaded, ModelChoice, Plan, load
@@ -205,6 +207,55 @@ RunMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PERSIST], typer.Option(
 ChatMemory = Annotated[typing.Literal[MEMORY_OFF, MEMORY_PROCESS, MEMORY_PERSIST], typer.Option(
     "--memory", help="Draft from memory too (with --lookup only): 'process' recalls this chat's earlier turns (in memory only); " + _PERSIST_HELP,
 )]
+@dataclass
+class Constrain:
+    """A constraint on the output (run, chat, batch, bench): llama.cpp's spellings. One of them at most."""
+
+    grammar: Annotated[Optional[str], typer.Option("--grammar", metavar="GBNF", help="Constrain the output to this GBNF grammar (llama.cpp's format).")] = None
+    grammar_file: Annotated[Optional[str], typer.Option("--grammar-file", metavar="FILE", help="--grammar from a file.")] = None
+    json_schema: Annotated[Optional[str], typer.Option("-j", "--json-schema", metavar="SCHEMA",
+        help="Constrain the output to JSON that validates against this JSON Schema ('{}' for any JSON).")] = None
+    json_schema_file: Annotated[Optional[str], typer.Option("-jf", "--json-schema-file", metavar="FILE", help="--json-schema from a file.")] = None
+    compact_json: Annotated[bool, typer.Option("--compact-json",
+        help=("With --json-schema: JSON without spaces ({\"a\":1}) instead of with one after ':' and ','; more of the output is then "
+              "forced by the schema, so drafted for free."))] = False
+
+    def grammar_asked(self) -> Grammar | None:
+        """The constraint asked for, checked before any model loads (GrammarError: exit 2)."""
+        given = [(name, value) for name, value in (("--grammar", self.grammar), ("--grammar-file", self.grammar_file),
+                 ("--json-schema", self.json_schema), ("--json-schema-file", self.json_schema_file)) if value is not None]
+        if len(given) > 1:
+            raise UsageError(f"{given[0][0]} and {given[1][0]} both constrain the output; give one of them")
+        if self.compact_json and not (self.json_schema or self.json_schema_file):
+            raise UsageError("--compact-json shapes JSON output: it goes with --json-schema or --json-schema-file")
+        if not given:
+            return None
+        name, value = given[0]
+        if name.endswith("-file"):
+            value = _read_text_file(value, name)
+        kind = "gbnf" if name.startswith("--grammar") else "json_schema"
+        grammar = Grammar(kind, value, json_style="compact" if self.compact_json else "spaced", where=name)
+        grammar.check()
+        return grammar
+
+
+def _read_text_file(path: str, option: str) -> str:
+    """A grammar or schema file's text (bounded; UsageError naming the option)."""
+    try:
+        with open(path, "rb") as handle:
+            data = read_limited(handle, f"{option} {path}")
+    except FileNotFoundError:
+        raise UsageError(f"{option}: no such file: {path}") from None
+    except IsADirectoryError:
+        raise UsageError(f"{option}: {path} is a directory; give a file") from None
+    except OSError as err:
+        raise UsageError(f"{option}: cannot read {path}: {err.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{option}: {path} is not UTF-8 text") from None
+
+
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", metavar="TEXT", help="End the output where this text appears (repeatable); the text itself is not output.")]
 
 

@@ -12,9 +12,10 @@ from typing import Annotated, Optional
 import typer
 
 from specli.cli.options import (
-    Drafting, Models, Placement, Quiet, RunMemory, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models,
+    Constrain, Drafting, Models, Placement, Quiet, RunMemory, Sampling, ShowAccept, Stop, Threads, Verbose, flatten, load_models,
     max_tokens_option, model_choice, require_stdout, stop_strings
 )
+from specli.constraints import Constraint
 from specli.decoding.generation import Request
 from specli.decoding.loop import generate
 from specli.errors import EXIT_INTERRUPTED, UsageError
@@ -45,6 +46,7 @@ def run(
     drafting: Drafting,
     max_tokens: int = max_tokens_option("Stop after this many generated tokens."),
     stop: Stop = None,
+    constrain: Constrain,
     memory: RunMemory = "off",
     placement: Placement,
     threads: Threads = None,
@@ -68,6 +70,7 @@ def run(
         raise UsageError("the prompt is given twice (PROMPT and -p/--prompt); give one of them")
     choice = model_choice(models, placement, sampling, threads=threads, seed=seed, drafting=drafting, memory=memory)
     stops = stop_strings(stop)
+    grammar = constrain.grammar_asked()  # (a grammar that does not compile: exit 2 before the load)
     text = read_prompt(prompt_option if prompt_option is not None else prompt)
     init_backend(verbose=verbose)
     chat = chat or system is not None or template is not None
@@ -86,7 +89,8 @@ def run(
             stops = (*format_stop, *stops)
         else:
             prompt_ids = model_tgt.tokenize_prompt(text, parse_special=not no_parse_special)
-        gen = generate(loaded.decoder, Request(prompt_ids, max_tokens=max_tokens, stop=stops))
+        constraint = None if grammar is None else Constraint(grammar, model_tgt)
+        gen = generate(loaded.decoder, Request(prompt_ids, max_tokens=max_tokens, stop=stops, constraint=constraint))
         with_drafting = the_plan.mode != DraftMode.TARGET_ONLY
         interrupted = stream_generation(
             gen, sys.stdout, sys.stderr, show_text=not json_out, live=not quiet and not verbose,

@@ -27,7 +27,7 @@ class Request:
     limits: LineLimits | None = None  # an /infill request's n_indent and t_max_predict_ms (stateful: one per request)
     fresh: bool = False  # start from an empty cache (llama-server's cache_prompt: false; batch --parallel)
     cache_reuse: int | None = None  # the request's n_cache_reuse (None: the server's --cache-reuse)
-    # Where a constraint on the output will ride (docs/constraints.md): the step loop gives it to
+    # The output's constraint (constraints.Constraint, docs/constraints.md): the step loop gives it to
     # the sequence's step, which masks verification and cuts drafts with it. None: unconstrained.
     constraint: Any = None
 

@@ -19,7 +19,8 @@
   the last, the other slots' passes between them included.
 - prompt_reused: prompt tokens already in the target's cache from an earlier generation (a chat's
   history), so not evaluated again; prompt_tokens - prompt_reused were evaluated.
-- draft_s: time spent proposing drafts; verify_s: time in target passes and verification.
+- draft_s: time spent proposing drafts; verify_s: time in target passes and verification;
+  constraint_s: a constraint's masks and bookkeeping (part of both; 0 without one).
 - wall_s: prompt_s + generation time, all in.
 - draft_lengths[k]: target passes that checked k drafts (with `--draft-max auto`, the lengths the
   policy chose); mean_draft_length = drafted / target_passes.
@@ -45,6 +46,7 @@ class Stats:
     prompt_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    constraint_s: float = 0.0
     generation_s: float = 0.0
     # accepted_at[i]: steps in which the draft token at position i (0-based) was accepted;
     # drafted_at[i]: steps that drafted a token at position i. Per-position acceptance.
@@ -103,7 +105,7 @@ class Stats:
     def add(self, other: "Stats") -> None:
         """Add another run's counts and times to these (session totals)."""
         for name in ("n_tokens", "decided", "prompt_pass_decided", "drafted", "accepted", "target_passes", "prompt_tokens", "prompt_reused",
-                     "prompt_s", "draft_s", "verify_s", "generation_s"):
+                     "prompt_s", "draft_s", "verify_s", "constraint_s", "generation_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at),
                              (self.draft_lengths, other.draft_lengths)):
@@ -126,6 +128,7 @@ class Stats:
             "prompt_s": rnd(self.prompt_s),
             "draft_s": rnd(self.draft_s),
             "verify_s": rnd(self.verify_s),
+            **({"constraint_s": rnd(self.constraint_s)} if self.constraint_s else {}),
             "wall_s": rnd(self.wall_s),
             "acceptance_by_position": [
                 round(a / d, 4) for a, d in zip(self.accepted_at, self.drafted_at) if d

@@ -23,13 +23,15 @@ from specli.decoding.generation import Generation, Request, Step
 from specli.decoding.memory_drafter import BRANCH_SOURCE, shared_prefix
 from specli.decoding.policy import FIXED, AdaptivePolicy, DraftJudge, StepReport
 from specli.decoding.sampling import GREEDY, SamplingParams, make_rng
-from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_MAX_TOKENS
+from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS
 from specli.decoding.text import TextStream
 from specli.decoding.verifier import verify
 from specli.errors import SettingError, UsageError
 from specli.llama.context import SequenceView
 from specli.llama.model import LlamaModel, common_prefix_len, fill_cache
 from specli.modes import MAX_DRAFT, DraftLength
+
+GRAMMAR = "grammar"  # Proposal.source of the tokens a constraint forces (stats.by_source keeps them apart)
 
 
 def draft_length_for(drafting: bool, value: DraftLength | int | str) -> DraftLength:
@@ -129,7 +131,10 @@ class SequenceStep:
         self, decoder: SpeculativeDecoder, request: Request, gen: Generation, cache: LlamaModel | SequenceView, max_pass: int
     ):
         self.decoder = decoder
-        self.request = request  # (its constraint, when there is one, is this sequence's: docs/constraints.md)
+        self.request = request
+        # The constraint's place in its grammar for this sequence (docs/constraints.md), or None.
+        self.matcher = request.constraint.start() if request.constraint is not None else None
+        self._masks = None  # the pending pass's allowed tokens per row (with a constraint)
         self.gen = gen
         self.cache = cache
         self.max_tokens = request.max_tokens
@@ -198,8 +203,10 @@ class SequenceStep:
         step (its rows are not needed: n_rows)."""
         n_max, t_draft = self._plan_start()
         drafter = self.decoder.drafter
-        proposal = drafter.propose(self.context, n_max, self.decoder.judge) if (drafter is not None and n_max > 0) else Proposal([])
-        return self._plan_end(proposal, n_max, t_draft, self._branches(proposal, n_max))
+        proposal = self._forced(n_max)
+        if proposal is None:
+            proposal = drafter.propose(self.context, n_max, self.decoder.judge) if (drafter is not None and n_max > 0) else Proposal([])
+        return self._plan_end(proposal, n_max, t_draft, None if self.matcher is not None else self._branches(proposal, n_max))
 
     def _branches(self, proposal: Proposal, n_max: int) -> TokenTree | None:
         """The tree of this step's pass (branches.py), or None for the chain alone: only greedy,
@@ -227,11 +234,42 @@ class SequenceStep:
         sent its logits (drafters.DraftModelDrafter.propose_steps); returns plan()'s tokens."""
         n_max, t_draft = self._plan_start()
         drafter = self.decoder.drafter
-        if drafter is None or n_max <= 0:
+        proposal = self._forced(n_max)
+        if proposal is not None:
+            pass
+        elif drafter is None or n_max <= 0:
             proposal = Proposal([])
         else:
             proposal = yield from drafter.propose_steps(self.context, n_max, self.decoder.judge)
         return self._plan_end(proposal, n_max, t_draft)
+
+    def _forced(self, n_max: int) -> Proposal | None:
+        """With a constraint: the tokens its grammar forces next, as this step's draft (never
+        refused by the grammar; the target still verifies them, so their tokenization stays its
+        own choice); None when it forces nothing."""
+        if self.matcher is None or n_max <= 0:
+            return None
+        forced = self.matcher.forced(n_max)
+        return Proposal(forced, source=GRAMMAR) if forced else None
+
+    def _allowed(self, proposal: Proposal) -> Proposal:
+        """With a constraint: a draft cut at its first token the grammar forbids, so the pass never
+        sees one, and the masks of its rows. A draft sampled from a distribution q (a draft model at
+        T > 0) is kept whole: cutting it on what it drew would bias the output, and the masked p
+        refuses a forbidden token exactly (its masks after that token are never read)."""
+        if self.matcher is None:
+            return proposal
+        tokens = proposal.tokens
+        n_valid = self.matcher.valid_prefix(tokens)
+        if n_valid < len(tokens) and proposal.q_rows is None:
+            proposal.tokens = tokens = tokens[:n_valid]
+            if proposal.confidences is not None:
+                proposal.confidences = proposal.confidences[:n_valid]
+        masks = self.matcher.masks(tokens[:n_valid])
+        if len(masks) < len(tokens) + 1:  # (rows past the first forbidden token: all allowed, never read)
+            masks = np.concatenate([masks, np.full((len(tokens) + 1 - len(masks), masks.shape[1]), -1, dtype=masks.dtype)])
+        self._masks = masks
+        return proposal
 
     def _plan_start(self) -> tuple[int, float]:
         remaining = self.max_tokens - len(self.gen.token_ids)
@@ -249,6 +287,10 @@ class SequenceStep:
         return n_max, t_draft
 
     def _plan_end(self, proposal: Proposal, n_max: int, t_draft: float, tree: TokenTree | None = None) -> list[int]:
+        if self.matcher is not None:
+            t_constraint = time.perf_counter()
+            proposal = self._allowed(proposal)
+            self.gen.stats.constraint_s += time.perf_counter() - t_constraint
         self._draft_s = time.perf_counter() - t_draft
         assert len(proposal.tokens) <= n_max
         n_tail, self._n_tail = self._n_tail, 0
@@ -298,7 +340,13 @@ class SequenceStep:
         draft = proposal.tokens
         tree, self._tree = self._tree, None
         source = proposal.source
-        verdict = verify(rows, draft, context, decoder.sampling, self.rng, q_rows=proposal.q_rows, tree=tree)
+        masks, self._masks = self._masks, None
+        verdict = verify(rows, draft, context, decoder.sampling, self.rng, q_rows=proposal.q_rows, tree=tree, masks=masks)
+        if self.matcher is not None:
+            t_constraint = time.perf_counter()
+            self.matcher.accept(verdict.tokens, decoder.model_tgt.is_eog)
+            gen.stats.constraint_s += time.perf_counter() - t_constraint
+        forced = source == GRAMMAR  # (the grammar's tokens: neither the drafter's nor the policy's to learn from)
         if tree is None:
             # Keep the cache = context before the new `last` (the target's own token).
             self.cache.truncate(len(context) + verdict.n_accepted)
@@ -311,11 +359,11 @@ class SequenceStep:
             n_drafted, n_own = len(tree.tokens), min(shared_prefix(draft, verdict.tokens), len(draft))
             if n_own < verdict.n_accepted:
                 source = BRANCH_SOURCE
-        if decoder.drafter is not None and draft:
+        if decoder.drafter is not None and draft and not forced:
             decoder.drafter.update(len(draft), n_own)
         t_done = time.perf_counter()
         verify_s = t_done - t_commit  # this sequence's verification, after the pass
-        if decoder.adaptive:  # (told how many prompt tokens the pass held: the first step's times price the prompt)
+        if decoder.adaptive and not forced:  # (told how many prompt tokens the pass held: the first step's times price the prompt)
             decoder.judge.observe(StepReport(
                 source=proposal.source, n_drafted=len(draft), n_accepted=n_own,
                 confidences=proposal.confidences, draft_s=self._draft_s, pass_tokens=len(rows),
@@ -328,6 +376,8 @@ class SequenceStep:
         self._t_previous = t_done if gen.token_ids else None
 
         step = gen.record(verdict.tokens, verdict.n_accepted, n_drafted, decoder.model_tgt.is_eog, source)
+        if self.matcher is not None and self.matcher.done and gen.stop_reason is None:
+            gen.finish(STOP_EOS)  # (only an end-of-generation token can follow: the pass it would take is saved)
         if tree is not None:
             step.n_branches, step.width = len(tree.paths), tree.width
         context.extend(verdict.tokens)

@@ -19,8 +19,10 @@ p and q both come from sampling.distribution(), llama.cpp's default sampler chai
 sampling alone" means what it means with llama.cpp.
 
 `verify` is the one entry point (SequenceStep.commit calls it); the others are its parts, kept
-callable for the tests that check them on their own. A constraint masks the rows here, in
-TargetRows, so that every verdict is the masked target's (docs/constraints.md).
+callable for the tests that check them on their own. A constraint's masks (one bitmask row of the
+allowed tokens per position) apply here, to every row read: greedy takes the masked argmax,
+sampling the masked and renormalised p, so every verdict is the constrained target's
+(docs/constraints.md).
 """
 
 from __future__ import annotations
@@ -58,13 +60,14 @@ class Verdict:
 
 def verify(
     rows: np.ndarray, draft: Sequence[int], context: list[int], sampling: SamplingParams, rng: np.random.Generator | None,
-    *, q_rows: Sequence[Dist] | None = None, tree: TokenTree | None = None,
+    *, q_rows: Sequence[Dist] | None = None, tree: TokenTree | None = None, masks: np.ndarray | None = None,
 ) -> Verdict:
     """The verdict on one sequence's part of a pass: `rows` are the target's logits for [last,
     *draft] (a tree: for [last, *tree.tokens]), `context` the prompt and output so far (its last
     token is `last`), q_rows the distributions the draft was sampled from (None: greedy drafts,
     lookup). Greedy: exact match against the argmax; sampling: rejection sampling against p; a
-    tree (greedy only): the longest accepted branch."""
+    tree (greedy only): the longest accepted branch. `masks`: a constraint's allowed tokens at
+    each position (bitmask rows, 32 tokens an int32 word; None: unconstrained; not with a tree)."""
     penalized = bool(penalty_history(sampling, context))  # (a penalty changes the argmax: rows see their history)
     if tree is not None:
         assert sampling.greedy, "tree passes are greedy only"
@@ -72,8 +75,8 @@ def verify(
             return verify_tree(rows, tree)
         return verify_tree(rows, tree, lambda node_rows, branch: TargetRows(node_rows, sampling, context, branch, row=penalized_row))
     if sampling.greedy:
-        return verify_greedy(TargetRows(rows, sampling, context, draft, row=penalized_row) if penalized else rows, draft)
-    return verify_sampled(TargetRows(rows, sampling, context, draft), q_rows, draft, rng)
+        return verify_greedy(TargetRows(rows, sampling, context, draft, row=penalized_row) if penalized else rows, draft, masks)
+    return verify_sampled(TargetRows(rows, sampling, context, draft, masks=masks), q_rows, draft, rng)
 
 
 class TargetRows:
@@ -86,21 +89,45 @@ class TargetRows:
     later rows are usually never computed.
     """
 
-    def __init__(self, logits_tgt: np.ndarray, sampling: SamplingParams, context: list[int], draft: list[int], row=distribution):
+    def __init__(self, logits_tgt: np.ndarray, sampling: SamplingParams, context: list[int], draft: list[int], row=distribution,
+                 masks: np.ndarray | None = None):
         self._logits = logits_tgt
         self._sampling = sampling
         self._context = context
         self._draft = draft
         self._row = row  # (logits, sampling, history) -> the row
+        self._masks = masks  # a constraint's allowed tokens per row (forbidden logits become -inf first)
 
     def __len__(self) -> int:
         return len(self._draft) + 1
 
     def __getitem__(self, i: int) -> Dist | np.ndarray:
-        return self._row(self._logits[i], self._sampling, penalty_history(self._sampling, self._context, self._draft[:i]))
+        logits = self._logits[i] if self._masks is None else masked(self._logits[i], self._masks[i])
+        return self._row(logits, self._sampling, penalty_history(self._sampling, self._context, self._draft[:i]))
 
 
-def verify_greedy(logits_tgt: np.ndarray | Sequence[np.ndarray], draft: Sequence[int]) -> Verdict:
+def allowed(mask: np.ndarray, token: int) -> bool:
+    """Whether a bitmask row (32 tokens an int32 word, token t at bit t % 32 of word t // 32)
+    allows `token`."""
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+def masked(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """A copy of `logits` with every token the bitmask row forbids at -inf."""
+    ok = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), bitorder="little")[: logits.shape[-1]].astype(bool)
+    return np.where(ok, logits, np.float32(-np.inf))
+
+
+def masked_argmax(logits: np.ndarray, mask: np.ndarray | None) -> int:
+    """The argmax among the tokens `mask` allows (the plain argmax when it is allowed: the same
+    token, without masking the row)."""
+    choice = int(np.argmax(logits))
+    if mask is None or allowed(mask, choice):
+        return choice
+    return int(np.argmax(masked(logits, mask)))
+
+
+def verify_greedy(logits_tgt: np.ndarray | Sequence[np.ndarray], draft: Sequence[int], masks: np.ndarray | None = None) -> Verdict:
     """Longest agreeing prefix of `draft` under the target's argmax, plus the target's token.
 
     Needs logits_tgt: len(draft) + 1 rows of n_vocab (an array, or any sequence of rows, which
@@ -111,10 +138,10 @@ def verify_greedy(logits_tgt: np.ndarray | Sequence[np.ndarray], draft: Sequence
     # Row by row up to the first disagreement: rows after it are never read (an argmax over
     # a 262k-token row is ~20 us of host time a row).
     n_accepted = 0
-    choice = int(np.argmax(logits_tgt[0]))
+    choice = masked_argmax(logits_tgt[0], None if masks is None else masks[0])
     while n_accepted < k and choice == draft[n_accepted]:
         n_accepted += 1
-        choice = int(np.argmax(logits_tgt[n_accepted]))
+        choice = masked_argmax(logits_tgt[n_accepted], None if masks is None else masks[n_accepted])
     return Verdict(n_accepted, [int(t) for t in draft[:n_accepted]] + [choice])
 
 

@@ -30,6 +30,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from specli.constraints import Constraint, Grammar
 from specli.decoding.generation import Request
 from specli.errors import SpecliError, UsageError
 from specli.llama.conversation import encode_conversation
@@ -81,7 +82,9 @@ class Service:
         check_model(self.settings, req.model)
         prompt_ids, format_stop = await run_in_threadpool(self._prompt_ids, req)
         max_tokens = req.max_tokens or self.settings.default_max_tokens or self.scheduler.n_ctx
-        submitted = submit(self.scheduler, Request(prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=(*format_stop, *req.stop)))
+        constraint = None if req.grammar is None else await run_in_threadpool(self._constraint, req.grammar)
+        submitted = submit(self.scheduler, Request(prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=(*format_stop, *req.stop),
+                                                   constraint=constraint))
         rid, t0 = protocol.new_id(kind), time.perf_counter()
         if req.stream:
             return sse_response(submitted.stream(lambda events: self._chunks(events, req, rid, t0, http)))
@@ -119,6 +122,14 @@ class Service:
         yield "data: [DONE]\n\n"
 
     # --- helpers ------------------------------------------------------------------------------------
+    def _constraint(self, grammar: Grammar) -> Constraint:
+        """The request's grammar on the model's vocabulary (the tokenizer is built once: about a
+        second, the first time); 400 when the vocabulary refuses it."""
+        try:
+            return Constraint(grammar, self.model)
+        except UsageError as err:
+            raise ApiError(400, str(err)) from None
+
     def _prompt_ids(self, req: protocol.ApiRequest) -> tuple[list[int], tuple[str, ...]]:
         """The prompt's tokens (a chat rendered with the model's template) and the format's own
         stop strings; ApiError when it is refused or does not fit the context."""

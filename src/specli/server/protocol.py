@@ -10,6 +10,7 @@ silently dropped. Every refusal is an ApiError: status, message, and the field a
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import reprlib
 import time
@@ -17,10 +18,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from specli.constraints import Grammar
 from specli.decoding.sampling import JSON_FIELDS, SamplingParams
 from specli.decoding.stats import Stats
 from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_TOKENS, STOP_STRING
-from specli.errors import SettingError
+from specli.errors import SettingError, UsageError
 from specli.modes import DraftLength
 
 CHAT = "chat.completion"
@@ -74,6 +76,7 @@ class ApiRequest:
     # A text prompt's control text (`<|im_start|>`) becomes control tokens, as llama-server does;
     # false (the field of llama-server's /tokenize): all of it text. Chat messages are always text.
     parse_special: bool = True
+    grammar: Optional[Grammar] = None  # response_format, json_schema or grammar: the output's constraint
 
 
 def number_field(body: dict, name: str, kind: type) -> Any:
@@ -196,8 +199,7 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> ApiRequest:
     for name, neutral in NEUTRAL.items():
         if body.get(name) is not None and body[name] not in neutral:
             raise ApiError(400, f"'{name}' = {quoted(body[name])} is not supported by specli (leave it out)", param=name)
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise ApiError(400, "'response_format' other than text is not supported (leave it out)", param="response_format")
+    grammar = parse_constraint(body)
     messages = prompt = prompt_ids = None
     if kind == CHAT:
         if "messages" not in body:
@@ -242,8 +244,50 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> ApiRequest:
     return ApiRequest(
         kind=kind, model=model, messages=messages, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
         sampling=sampling, seed=seed, stop=parse_stop(body.get("stop")), stream=stream,
-        include_usage=bool(options.get("include_usage")), parse_special=parse_special,
+        include_usage=bool(options.get("include_usage")), parse_special=parse_special, grammar=grammar,
     )
+
+
+def parse_constraint(body: dict) -> Optional[Grammar]:
+    """The output's constraint: OpenAI's `response_format` (json_object, json_schema; text: none)
+    or llama-server's `json_schema` and `grammar` (GBNF) fields; at most one. Checked here (a
+    400 naming the problem); None when the output is free."""
+    asked = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise ApiError(400, "'response_format' must be an object with a 'type' (text, json_object or json_schema)", param="response_format")
+        if rf["type"] == "json_object":
+            schema = rf.get("schema", {"type": "object"})  # (llama-server also takes a schema here)
+            asked.append(("response_format", "json_schema", schema))
+        elif rf["type"] == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise ApiError(400, "'response_format' of type json_schema needs 'json_schema': {\"name\": ..., \"schema\": {...}}", param="response_format")
+            asked.append(("response_format", "json_schema", spec["schema"]))
+        elif rf["type"] != "text":
+            raise ApiError(400, f"'response_format' type {quoted(rf['type'])} is not one of text, json_object, json_schema", param="response_format")
+    if body.get("json_schema") is not None:
+        asked.append(("json_schema", "json_schema", body["json_schema"]))
+    if body.get("grammar") is not None:
+        if not isinstance(body["grammar"], str):
+            raise ApiError(400, "'grammar' must be a string (a GBNF grammar)", param="grammar")
+        asked.append(("grammar", "gbnf", body["grammar"]))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ApiError(400, f"'{asked[0][0]}' and '{asked[1][0]}' both constrain the output; send one of them", param=asked[1][0])
+    field, kind, value = asked[0]
+    if kind == "json_schema":
+        if not isinstance(value, (dict, bool)):
+            raise ApiError(400, f"'{field}': a JSON schema must be an object, got {quoted(value)}", param=field)
+        value = json.dumps(value)
+    grammar = Grammar(kind, value, where=f"'{field}'")
+    try:
+        grammar.check()
+    except UsageError as err:
+        raise ApiError(400, str(err), param=field) from None
+    return grammar
 
 
 # --- responses ------------------------------------------------------------------------------------

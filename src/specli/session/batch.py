@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Optional, Union
 
+from specli.constraints import Constraint, Grammar
 from specli.decoding.generation import Request
 from specli.decoding.sampling import JSON_FIELDS, SamplingParams, sampling_json
 from specli.decoding.stats import Stats
@@ -34,7 +35,7 @@ from specli.llama.model import LlamaModel
 SAMPLING_FIELDS = JSON_FIELDS
 # `metadata` is carried to the output unchanged; any other field is an error (a typo such as
 # "temprature" would otherwise sample with the default without a word).
-ITEM_FIELDS = ("prompt", "id", "max_tokens", "stop", "metadata", *SAMPLING_FIELDS, "system", "messages")
+ITEM_FIELDS = ("prompt", "id", "max_tokens", "stop", "metadata", *SAMPLING_FIELDS, "system", "messages", "json_schema", "grammar")
 MESSAGE_ROLES = ("system", "user", "assistant")
 FORMATS = ("auto", "jsonl", "text")
 
@@ -57,12 +58,14 @@ class Item:
     prompt_ids: Optional[list[int]] = None  # the rendered conversation's tokens, set just before it runs
     parse_special: bool = True  # a raw prompt's control text becomes control tokens (off: --no-parse-special)
     stop: tuple[str, ...] = ()  # stop strings: the item's `stop`, else the command line's --stop
+    grammar: Optional[Grammar] = None  # the output's constraint: the item's json_schema or grammar, else the command line's
 
     def request(self, model_tgt: LlamaModel) -> Request:
         """The item's generation: a chat item's rendered tokens, else its raw prompt's as llama.cpp
         makes them, its control text parsed unless the item says not to (LlamaModel.tokenize_prompt)."""
         ids = self.prompt_ids if self.prompt_ids is not None else model_tgt.tokenize_prompt(self.prompt, parse_special=self.parse_special)
-        return Request(ids, max_tokens=self.max_tokens, sampling=self.sampling, seed=self.sampling.seed, stop=self.stop)
+        constraint = None if self.grammar is None else Constraint(self.grammar, model_tgt)
+        return Request(ids, max_tokens=self.max_tokens, sampling=self.sampling, seed=self.sampling.seed, stop=self.stop, constraint=constraint)
 
 
 @dataclass
@@ -127,17 +130,18 @@ def detect_format(path: str, lines: list[bytes], fmt: str) -> str:
 
 
 def parse_lines(lines: list[bytes], fmt: str, sampling: SamplingParams, max_tokens: int, *,
-                chat: bool = False, system: Optional[str] = None, stop: tuple[str, ...] = ()) -> list[Entry]:
+                chat: bool = False, system: Optional[str] = None, stop: tuple[str, ...] = (), grammar: Optional[Grammar] = None) -> list[Entry]:
     """Items (and errors for bad lines) in input order; `sampling` and `max_tokens` are the
     command line's defaults, and so are `chat` (every prompt is a user message for the chat
     template) and `system` (the system prompt of chat items without their own; implies chat).
-    `stop` is --stop's strings. A later line repeating an earlier id is an error."""
+    `stop` is --stop's strings, `grammar` the command line's constraint (a record's json_schema or
+    grammar replaces it). A later line repeating an earlier id is an error."""
     entries: list[Entry] = []
     seen: dict[str, int] = {}
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
-        entry = _parse_line(number, raw, fmt, sampling, max_tokens, chat or system is not None, system, stop)
+        entry = _parse_line(number, raw, fmt, sampling, max_tokens, chat or system is not None, system, stop, grammar)
         key = id_key(entry.id)
         if key in seen:
             entry = LineError(number, entry.id, f"id {entry.id!r} was already used on line {seen[key]}; give each line its own id")
@@ -148,14 +152,14 @@ def parse_lines(lines: list[bytes], fmt: str, sampling: SamplingParams, max_toke
 
 
 def _parse_line(number: int, raw: bytes, fmt: str, sampling: SamplingParams, max_tokens: int,
-                chat: bool = False, system: Optional[str] = None, stop: tuple[str, ...] = ()) -> Entry:
+                chat: bool = False, system: Optional[str] = None, stop: tuple[str, ...] = (), grammar: Optional[Grammar] = None) -> Entry:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         return LineError(number, number, f"the line is not UTF-8 text (bad byte at column {err.start + 1})")
     if fmt == "text":
         prompt = text.rstrip("\r")
-        return Item(number, number, prompt, max_tokens, sampling, messages=_as_chat(prompt, system) if chat else None, stop=stop)
+        return Item(number, number, prompt, max_tokens, sampling, messages=_as_chat(prompt, system) if chat else None, stop=stop, grammar=grammar)
     try:
         obj = json.loads(text)
         json.dumps(obj, ensure_ascii=False).encode("utf-8")  # (a JSON \ud800 escape decodes to a lone surrogate)
@@ -196,8 +200,34 @@ def _parse_line(number: int, raw: bytes, fmt: str, sampling: SamplingParams, max
         item_stop = check_stop(item_stop)
     except SettingError as err:  # it names the field (top_k, stop), as an item spells it
         return LineError(number, item_id, str(err))
+    item_grammar = _item_grammar(obj, grammar)
+    if isinstance(item_grammar, str):
+        return LineError(number, item_id, item_grammar)
     echo = {"metadata": obj["metadata"]} if "metadata" in obj else {}
-    return Item(number, item_id, prompt, item_max_tokens, item_sampling, echo, messages=messages, stop=item_stop)
+    return Item(number, item_id, prompt, item_max_tokens, item_sampling, echo, messages=messages, stop=item_stop, grammar=item_grammar)
+
+
+def _item_grammar(obj: dict, default: Optional[Grammar]) -> Optional[Grammar] | str:
+    """A JSON item's constraint (its json_schema, an object, or grammar, GBNF text; else the
+    command line's), or what is wrong with it."""
+    if "json_schema" in obj and "grammar" in obj:
+        return 'give either "json_schema" or "grammar", not both'
+    if "json_schema" in obj:
+        if not isinstance(obj["json_schema"], (dict, bool)):
+            return f"json_schema must be a JSON Schema object, got {_json_type(obj['json_schema'])}"
+        style = default.json_style if default is not None else "spaced"
+        grammar = Grammar("json_schema", json.dumps(obj["json_schema"]), json_style=style, where="json_schema")
+    elif "grammar" in obj:
+        if not isinstance(obj["grammar"], str):
+            return f"grammar must be a string (GBNF), got {_json_type(obj['grammar'])}"
+        grammar = Grammar("gbnf", obj["grammar"], where="grammar")
+    else:
+        return default
+    try:
+        grammar.check()
+    except UsageError as err:
+        return str(err)
+    return grammar
 
 
 def _as_chat(prompt: str, system: Optional[str]) -> list[dict]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Optional, Protocol
 
+from specli.constraints import Grammar
 from specli.decoding.generation import Step
 from specli.decoding.loop import DecoderPool
 from specli.decoding.parallel import Describe, ItemDone, ParallelRunner, run_sequential
@@ -44,6 +45,7 @@ class BatchSettings:
     system: Optional[str] = None
     template: Optional[str] = None
     parse_special: bool = True  # raw prompts' control text becomes control tokens (off: --no-parse-special)
+    grammar: Optional[Grammar] = None  # every item's constraint (an item's json_schema or grammar replaces it)
 
 
 @dataclass
@@ -87,7 +89,7 @@ def prepare(settings: BatchSettings, stdin, *, verbose: bool = False) -> Prepare
     if settings.template is not None:
         check_template_name(settings.template)  # before the (slow) load
     entries = batch.parse_lines(
-        lines, fmt, settings.choice.sampling, settings.max_tokens, chat=use_chat, system=settings.system, stop=settings.stop,
+        lines, fmt, settings.choice.sampling, settings.max_tokens, chat=use_chat, system=settings.system, stop=settings.stop, grammar=settings.grammar,
     )
     for entry in entries:
         if isinstance(entry, batch.Item):

@@ -316,6 +316,7 @@ class ChatOptions:
     verbose: bool = False
     show_accept: bool = False
     stop: tuple[str, ...] = ()  # --stop: ends a reply (besides the plain format's own)
+    constraint: object | None = None  # --json-schema or --grammar: every reply's (constraints.Constraint)
 
 
 @dataclass
@@ -368,7 +369,7 @@ class ChatSession:
         if dropped and not self.options.quiet:
             self.notice(f"context full: dropped the oldest {dropped} exchange(s) to fit the {n_ctx}-token context with --max-tokens {self.options.max_tokens}")
         stop = (*self.formatter.stop, *self.options.stop)
-        gen = generate(decoder, Request(ids, max_tokens=self.options.max_tokens, stop=stop))
+        gen = generate(decoder, Request(ids, max_tokens=self.options.max_tokens, stop=stop, constraint=self.options.constraint))
         interrupted = self.stream_generation(
             gen, self.out, self.err, show_text=True, live=not self.options.quiet and not self.options.verbose,
             show_accept=self.options.show_accept, with_drafting=self.with_drafting,
