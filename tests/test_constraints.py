@@ -5,13 +5,12 @@ every constrained output is valid, speculative constrained output is the constra
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from conftest import load
+from fixtures.cli import assert_one_line_error, specli
 from specli.decoding.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
 from specli.decoding.generation import Request
 from specli.decoding.loop import generate
@@ -226,16 +225,12 @@ if given is not None:
 
 
 # --- the command line -------------------------------------------------------------------------------
-def specli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "specli", *args], capture_output=True, text=True, timeout=timeout)
-
-
 def test_run_refuses_a_bad_schema_in_one_line_before_loading(tmp_path):
-    result = specli("run", "hi", "-m", str(tmp_path / "missing.gguf"), "-j", '{"type": "frobnicate"}')
-    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "frobnicate" in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
-    both = specli("run", "hi", "--grammar", 'root ::= "a"', "-j", "{}")
-    assert both.returncode == 2 and "give one of them" in both.stderr
+    missing = str(tmp_path / "missing.gguf")  # (never loaded: the schema is refused first)
+    assert_one_line_error(specli("run", "hi", "-m", missing, "-j", '{"type": "frobnicate"}'), 2, "frobnicate")
+    assert_one_line_error(specli("run", "hi", "-m", missing, "--grammar", 'root ::= "a"', "-j", "{}"), 2, "give one of them")
+    assert_one_line_error(specli("run", "hi", "-m", missing, "-jf", str(tmp_path)), 2, "--json-schema-file", "give a file")
+    assert_one_line_error(specli("run", "hi", "-m", missing, "-jf", str(tmp_path / "none.json")), 2, "no such file")
 
 
 def test_run_with_a_json_schema_prints_valid_json(pair_perturbed, tmp_path):

@@ -33,7 +33,7 @@ from specli.decoding.branches import MAX_BRANCHES
 from specli.decoding.sampling import SamplingParams
 from specli.decoding.stopping import check_stop
 from specli.errors import SettingError, SpecliError, UsageError
-from specli.files import read_limited
+from specli.files import NotRegularFile, open_regular, read_limited
 from specli.llama.context import MAX_CTX, MIN_CTX
 from specli.modes import MAX_DRAFT, DraftLength
 from specli.session.loading import MEMORY_BOUND, MEMORY_OFF, MEMORY_PERSIST, MEMORY_PROCESS, MEMORY_SAVE_EVERY_S, Loaded, ModelChoice, Plan, load
@@ -242,12 +242,12 @@ class Constrain:
 def _read_text_file(path: str, option: str) -> str:
     """A grammar or schema file's text (bounded; UsageError naming the option)."""
     try:
-        with open(path, "rb") as handle:
+        with open_regular(path) as handle:  # (a FIFO would block the open, a device be read for ever)
             data = read_limited(handle, f"{option} {path}")
     except FileNotFoundError:
         raise UsageError(f"{option}: no such file: {path}") from None
-    except IsADirectoryError:
-        raise UsageError(f"{option}: {path} is a directory; give a file") from None
+    except NotRegularFile as err:
+        raise UsageError(f"{option}: {err}; give a file") from None
     except OSError as err:
         raise UsageError(f"{option}: cannot read {path}: {err.strerror}") from None
     try:

@@ -27,7 +27,6 @@ JSON_STYLES = {
     "compact": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
     "spaced": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
 }
-GRAMMAR_SOURCE = "grammar"  # Proposal.source of the tokens a grammar forces
 
 
 class GrammarError(UsageError):
@@ -77,6 +76,15 @@ class Grammar:
         return lark
 
 
+_EXECUTOR: list[Any] = []  # llguidance's mask workers: one for the process (one thread: the loop runs on one)
+
+
+def _executor(llg: Any) -> Any:
+    if not _EXECUTOR:
+        _EXECUTOR.append(llg.LLExecutor(num_threads=1))
+    return _EXECUTOR[0]
+
+
 def _one_line(message: str) -> str:
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     return lines[0] if len(lines) <= 1 else f"{lines[0]} ({' '.join(lines[1:3])})"
@@ -88,7 +96,7 @@ class Constraint:
 
     def __init__(self, grammar: Grammar, model: LlamaModel):
         self.grammar = grammar
-        self._lark = grammar.check()
+        self._lark = grammar.lark()
         self._tokenizer = grammar_tokenizer(model)
         self.n_vocab = model.n_vocab
         self._llg = import_llguidance()
@@ -106,7 +114,6 @@ class Matcher:
 
     def __init__(self, matcher: Any, n_vocab: int, llg: Any):
         self._m, self.n_vocab, self._llg = matcher, n_vocab, llg
-        self._executor = llg.LLExecutor(num_threads=1)
 
     def forced(self, n_max: int) -> list[int]:
         """The tokens the grammar forces next (at most n_max): a draft that is never wrong about
@@ -128,7 +135,7 @@ class Matcher:
         if not draft:
             llnp.fill_next_token_bitmask(self._m, rows, 0)
             return rows
-        llnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, [(self._m, 0, list(draft))], rows)
+        llnp.fill_next_token_bitmask_par_with_draft_tokens(_executor(self._llg), [(self._m, 0, list(draft))], rows)
         # The row after the whole draft once more, from the state the draft leads to: llguidance
         # leaves it unwritten where the draft's last token ends the grammar (only an end may follow).
         if not self._m.consume_tokens(list(draft)):

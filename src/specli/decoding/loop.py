@@ -22,7 +22,7 @@ from specli.decoding.drafters import Drafter, make_drafter
 from specli.decoding.generation import Generation, Request, Step
 from specli.decoding.memory_drafter import drafter_with_memory
 from specli.decoding.policy.costs import SharedPassCost
-from specli.decoding.sampling import GREEDY, SamplingParams
+from specli.decoding.sampling import SamplingParams
 from specli.decoding.step import SequenceStep, SpeculativeDecoder, draft_length_for
 from specli.errors import SpecliError
 from specli.llama.context import ModelPasses, MultiSequenceContext, SequenceView
@@ -291,9 +291,9 @@ class DecoderPool:
             self._decoders[dataclasses.replace(first.sampling, seed=None)] = first
 
     def get(self, sampling: SamplingParams | None) -> SpeculativeDecoder:
-        """The decoder for `sampling` (None: the first decoder's, else greedy)."""
+        """The decoder for `sampling` (a Request's: generate() fills in its decoder's)."""
         if sampling is None:
-            sampling = next(iter(self._decoders)) if self._decoders else GREEDY
+            raise ValueError("a request for the step loop names its sampling (generate() uses its decoder's)")
         key = dataclasses.replace(sampling, seed=None)
         decoder = self._decoders.pop(key, None) or SpeculativeDecoder(self.model_tgt, self.drafter, self.draft_length, key)
         self._decoders[key] = decoder

@@ -235,13 +235,9 @@ class SequenceStep:
         n_max, t_draft = self._plan_start()
         drafter = self.decoder.drafter
         proposal = self._forced(n_max)
-        if proposal is not None:
-            pass
-        elif drafter is None or n_max <= 0:
-            proposal = Proposal([])
-        else:
+        if proposal is None and drafter is not None and n_max > 0:
             proposal = yield from drafter.propose_steps(self.context, n_max, self.decoder.judge)
-        return self._plan_end(proposal, n_max, t_draft)
+        return self._plan_end(proposal or Proposal([]), n_max, t_draft)
 
     def _forced(self, n_max: int) -> Proposal | None:
         """With a constraint: the tokens its grammar forces next, as this step's draft (never
