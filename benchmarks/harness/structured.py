@@ -1,10 +1,10 @@
 """Structured output: schema-constrained extraction and tool calls on the real pair, clock-free.
 
-Each workload (workloads/structured.jsonl: a prompt and a JSON schema; split dev/check, a third
-held out) is generated greedily under its schema with plain constrained decoding (target-only)
+Each workload (workloads/structured.jsonl: a prompt and a JSON schema, or a prompt and tools with
+a tool_choice; split dev/check, a third held out) is generated greedily under its constraint with plain constrained decoding (target-only)
 and with each drafter, through the chat template. Printed side by side: tokens per target pass,
 the schema's forced tokens drafted and accepted, all drafted and refused tokens, whether the
-texts equal plain constrained decoding's, the constraint's time per emitted token against a
+texts equal plain constrained decoding's, (tools: every call's arguments valid), the constraint's time per emitted token against a
 one-token target pass (the run's own), and a modelled speedup over plain constrained decoding
 on this CPU's table and a GPU-like one (each pass charged by its width, a draft-model token at
 the table's price). Every output is checked against its schema.
@@ -49,10 +49,27 @@ def modelled_s(stats, table_, t_draft: float) -> float:
     return passes + model_tokens * t_draft
 
 
-def main(args) -> int:
+def _check(w: dict, text: str, fmt) -> None:
+    """The output validates: against the schema, or (tools) as one call at least, each call's
+    arguments against its tool's parameters."""
     import jsonschema
 
+    from specli.constraints.tools import parse_calls
+
+    if "tools" not in w:
+        jsonschema.validate(json.loads(text), w["schema"])
+        return
+    calls = parse_calls(fmt, text).calls
+    if not calls:
+        raise AssertionError(f"{w['id']}: no tool call in {text!r}")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in w["tools"]}
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+
+
+def main(args) -> int:
     from specli.constraints import Constraint, Grammar
+    from specli.constraints.tools import Tool, ToolConstraint
     from specli.decoding.generation import Request
     from specli.decoding.loop import generate
     from specli.decoding.step import GRAMMAR, SpeculativeDecoder
@@ -73,14 +90,19 @@ def main(args) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     rows, results = [], []
     for w in work:
-        ids = encode_conversation(target, formatter, None, [{"role": "user", "content": w["prompt"]}])
-        grammar = Grammar("json_schema", json.dumps(w["schema"]), json_style="compact" if args.compact else "spaced")
-        constraint = Constraint(grammar, target)
+        if "tools" in w:  # a tool call (the template's format, tool_choice as given), its arguments checked against the tool's schema
+            ids = encode_conversation(target, formatter, None, [{"role": "user", "content": w["prompt"]}], tools=w["tools"])
+            tools = [Tool(t["function"]["name"], t["function"]["parameters"]) for t in w["tools"]]
+            constraint = ToolConstraint(formatter.tool_format, tools, target, choice=w.get("tool_choice", "required"))
+        else:
+            ids = encode_conversation(target, formatter, None, [{"role": "user", "content": w["prompt"]}])
+            grammar = Grammar("json_schema", json.dumps(w["schema"]), json_style="compact" if args.compact else "spaced")
+            constraint = Constraint(grammar, target)
         plain = None
         for config in configs:
             drafter, length = _drafter(config, draft)
             gen = generate(SpeculativeDecoder(target, drafter, length), Request(ids, max_tokens=args.max_tokens, constraint=constraint)).run()
-            jsonschema.validate(json.loads(gen.text), w["schema"])
+            _check(w, gen.text, formatter.tool_format)
             st = gen.stats
             one_pass = st.verify_s / max(1, st.target_passes) if config == "target-only" else None
             forced = st.by_source.get(GRAMMAR, [0, 0])

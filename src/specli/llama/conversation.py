@@ -6,6 +6,7 @@ route all encode a conversation here.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Optional, Protocol
 
@@ -18,7 +19,7 @@ class ChatFormat(Protocol):
 
     name: str
 
-    def render(self, system: Optional[str], messages: list[dict]) -> str:
+    def render(self, system: Optional[str], messages: list[dict], *, tools: Optional[list[dict]] = None) -> str:
         """The conversation as text, ending with the opening of the assistant's turn."""
         ...
 
@@ -36,7 +37,8 @@ def _with_bos(model: LlamaModel, ids: list[int]) -> list[int]:
     return ids
 
 
-def encode_conversation(model: LlamaModel, formatter: ChatFormat, system: Optional[str], messages: list[dict]) -> list[int]:
+def encode_conversation(model: LlamaModel, formatter: ChatFormat, system: Optional[str], messages: list[dict], *,
+                        tools: Optional[list[dict]] = None) -> list[int]:
     """Tokens of the conversation rendered by `formatter`, where only the template's own text
     may become control tokens: a message holding a marker's text (`<start_of_turn>` typed into
     a chat) is tokenized as that text, so that no message can forge a turn. Conversations
@@ -44,8 +46,14 @@ def encode_conversation(model: LlamaModel, formatter: ChatFormat, system: Option
 
     Raises UsageError when a message holds a marker's text and the template changes message
     text beyond trimming it (its spans cannot then be told apart from the template's)."""
-    text = formatter.render(system, messages)
+    text = formatter.render(system, messages, **({"tools": tools} if tools else {}))
     contents = ([system] if system else []) + [m["content"] for m in messages]
+    calls = [json.dumps(m["tool_calls"], ensure_ascii=False) for m in messages if m.get("tool_calls")]
+    if tools or calls:  # (tools and calls are rendered as JSON: no span of the text is theirs alone)
+        if any(_holds_control_text(model, c) for c in [*contents, *calls, json.dumps(tools or [], ensure_ascii=False)]):
+            raise UsageError("a message or tool holds the text of one of the model's control tokens, which a conversation with tools "
+                             "cannot keep apart from the template's own; remove it")
+        return encode(model, text)
     if not any(_holds_control_text(model, c) for c in contents):
         return encode(model, text)
     spans = _content_spans(formatter, system, messages, contents, text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import json
 import os
 
 try:
@@ -19,7 +20,7 @@ except ImportError:  # (not on Windows: the deadline and the other caps still ho
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jinja2
 import jinja2.ext
@@ -248,18 +249,23 @@ class JinjaTemplate:
         except Exception as err:  # anything else the compiler refuses
             raise TemplateRenderError(f"it does not compile: {type(err).__name__}: {err}") from None
 
-    def render(self, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True) -> str:
-        """The (role, content) messages as text, ending with the opening of the assistant's turn
-        when add_assistant. Raises TemplateRenderError for whatever stops the template, and for
-        a template that runs past RENDER_SECONDS or writes past RENDER_GROWTH times what it was
-        given (a template is code: it may loop for ever, or build a gigabyte)."""
-        limit = RENDER_GROWTH * (sum(len(content) + 256 for _, content in messages) + 4096)  # (room for each turn's scaffolding)
+    def render(self, messages: Sequence[tuple[str, str] | dict], *, add_assistant: bool = True, tools: Optional[list[dict]] = None) -> str:
+        """The messages ((role, content), or OpenAI's message objects: a tool call's arguments
+        as an object) as text, ending with the opening of the assistant's turn when
+        add_assistant; `tools`: OpenAI's tool objects, for a template that renders them. Raises
+        TemplateRenderError for whatever stops the template, and for a template that runs past
+        RENDER_SECONDS or writes past RENDER_GROWTH times what it was given (a template is code:
+        it may loop for ever, or build a gigabyte)."""
+        messages = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
+        given = sum(len(str(m.get("content") or "")) + len(json.dumps(m.get("tool_calls") or "", default=str)) + 256 for m in messages)
+        given += len(json.dumps(tools or "", default=str))
+        limit = RENDER_GROWTH * (given + 4096)  # (room for each turn's scaffolding)
+        extra = {"tools": tools} if tools else {}
         try:
             with _deadline(RENDER_SECONDS, RENDER_MEMORY):
                 out, size = [], 0
                 for piece in self._template.generate(
-                    messages=[{"role": role, "content": content} for role, content in messages],
-                    bos_token=self.bos_token, eos_token=self.eos_token, add_generation_prompt=add_assistant,
+                    messages=messages, bos_token=self.bos_token, eos_token=self.eos_token, add_generation_prompt=add_assistant, **extra,
                 ):
                     size += len(piece)
                     if size > limit:

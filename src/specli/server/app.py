@@ -31,10 +31,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specli.constraints import Constraint, Grammar
+from specli.constraints.tools import NONE, ToolConstraint, ToolFormat
 from specli.decoding.generation import Request
 from specli.errors import SpecliError, UsageError
 from specli.llama.conversation import encode_conversation
-from specli.server import protocol
+from specli.server import protocol, tool_calls
 from specli.server.handling import ClientLeft, Settings, check_key, check_model, log_done, read_json, sse_event, sse_response, submit
 from specli.server.llama_api import LlamaRoutes
 from specli.server.protocol import CHAT, TEXT, ApiError
@@ -78,39 +79,63 @@ class Service:
     # --- a generation -------------------------------------------------------------------------------
     async def _generate(self, http: HttpRequest, kind: str) -> Response:
         check_key(self.settings, http)
-        req = protocol.parse_request(await read_json(http), kind, self.settings.defaults)
+        body = await read_json(http)
+        req = protocol.parse_request(body, kind, self.settings.defaults)
         check_model(self.settings, req.model)
-        prompt_ids, format_stop = await run_in_threadpool(self._prompt_ids, req)
+        tools = self._tools(body, req)
+        prompt_ids, format_stop = await run_in_threadpool(self._prompt_ids, req, tools)
         max_tokens = req.max_tokens or self.settings.default_max_tokens or self.scheduler.n_ctx
-        constraint = None if req.grammar is None else await run_in_threadpool(self._constraint, req.grammar)
+        if tools is not None:
+            constraint = await run_in_threadpool(self._tool_constraint, tools)
+        else:
+            constraint = None if req.grammar is None else await run_in_threadpool(self._constraint, req.grammar)
         submitted = submit(self.scheduler, Request(prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=(*format_stop, *req.stop),
                                                    constraint=constraint))
         rid, t0 = protocol.new_id(kind), time.perf_counter()
+        calls = self.settings.formatter.tool_format if tools is not None and tools.choice != NONE else None  # (parsed from the output)
         if req.stream:
-            return sse_response(submitted.stream(lambda events: self._chunks(events, req, rid, t0, http)))
+            return sse_response(submitted.stream(lambda events: self._chunks(events, req, rid, t0, http, calls)))
         finished = await submitted.finished(http)
         if finished is None:  # the client left: nobody to answer
             return Response(status_code=499)
         event, text = finished
         self._log(http, event, t0)
         finish = protocol.FINISH_REASONS.get(event.generation.stop_reason, "stop")
-        return JSONResponse(protocol.response_body(kind, rid, self.settings.model_id, text, finish, self._extra(event)))
+        message = None
+        if calls is not None:
+            message, called = tool_calls.message(calls, text)
+            finish = "tool_calls" if called and finish == "stop" else finish
+        return JSONResponse(protocol.response_body(kind, rid, self.settings.model_id, text, finish, self._extra(event), message))
 
-    async def _chunks(self, events: AsyncIterator[Event], req: protocol.ApiRequest, rid: str, t0: float, http: HttpRequest):
-        """The OpenAI stream of a job's events: the chat's opening role, a chunk per step, the
-        finish (usage in a chunk of its own when asked for), then [DONE]."""
+    async def _chunks(self, events: AsyncIterator[Event], req: protocol.ApiRequest, rid: str, t0: float, http: HttpRequest,
+                      calls: Optional[ToolFormat] = None):
+        """The OpenAI stream of a job's events: the chat's opening role, a chunk per step (with
+        tools: content and tool-call deltas), the finish (usage in a chunk of its own when asked
+        for), then [DONE]."""
         kind, model, created = req.kind, self.settings.model_id, int(time.time())
+        deltas = tool_calls.ToolDeltas(calls) if calls is not None else None
+
+        def pieces(text: str):
+            if deltas is None:
+                return [protocol.chunk(kind, rid, model, created, text=text)]
+            return [protocol.chunk(kind, rid, model, created, delta=d) for d in deltas.feed(text)]
+
         if kind == CHAT:
             yield sse_event(protocol.chunk(kind, rid, model, created, role=True))
         async for event in events:
             if isinstance(event, Delta):
-                yield sse_event(protocol.chunk(kind, rid, model, created, text=event.text))
+                for piece in pieces(event.text):
+                    yield sse_event(piece)
             elif isinstance(event, Failed):
                 yield sse_event(ApiError(event.status, event.message).body())
             else:
-                if event.tail:
-                    yield sse_event(protocol.chunk(kind, rid, model, created, text=event.tail))
+                for piece in pieces(event.tail) if event.tail else []:
+                    yield sse_event(piece)
                 finish = protocol.FINISH_REASONS.get(event.generation.stop_reason, "stop")
+                if deltas is not None:
+                    for d in deltas.finish():
+                        yield sse_event(protocol.chunk(kind, rid, model, created, delta=d))
+                    finish = "tool_calls" if deltas.ids and finish == "stop" else finish
                 extra = self._extra(event)
                 if req.include_usage:  # usage once, in its own last chunk (as OpenAI sends it)
                     finish_extra = {k: v for k, v in extra.items() if k != "usage"}
@@ -122,6 +147,30 @@ class Service:
         yield "data: [DONE]\n\n"
 
     # --- helpers ------------------------------------------------------------------------------------
+    def _tools(self, body: dict, req: protocol.ApiRequest) -> Optional[tool_calls.ToolRequest]:
+        """The request's tools (chat only), refused when the model's template writes no calls
+        that specli reads, or when another constraint is asked for too."""
+        if req.kind != CHAT:
+            return None  # (protocol refuses tools there)
+        tools = tool_calls.parse_tools(body)
+        if tools is None:
+            return None
+        formatter = self.settings.formatter
+        if formatter is None:
+            return None  # (chat is refused: _prompt_ids says why)
+        if formatter.tool_format is None:
+            raise ApiError(400, f"'tools': the chat template ({formatter.owner if formatter.jinja is not None else formatter.name}) writes no tool calls "
+                           "that specli can read (it reads the Hermes <tool_call> format, as Qwen 2.5's template writes it)", param="tools")
+        if req.grammar is not None and tools.choice != NONE:
+            raise ApiError(400, "'tools' and a response format both constrain the output; send one of them (or tool_choice \"none\")", param="tools")
+        return tools
+
+    def _tool_constraint(self, tools: tool_calls.ToolRequest) -> ToolConstraint:
+        try:
+            return ToolConstraint(self.settings.formatter.tool_format, tools.offered(), self.model, choice=tools.choice, parallel=tools.parallel)
+        except UsageError as err:
+            raise ApiError(400, str(err), param="tools") from None
+
     def _constraint(self, grammar: Grammar) -> Constraint:
         """The request's grammar on the model's vocabulary (the tokenizer is built once: about a
         second, the first time); 400 when the vocabulary refuses it."""
@@ -130,7 +179,7 @@ class Service:
         except UsageError as err:
             raise ApiError(400, str(err)) from None
 
-    def _prompt_ids(self, req: protocol.ApiRequest) -> tuple[list[int], tuple[str, ...]]:
+    def _prompt_ids(self, req: protocol.ApiRequest, tools: Optional[tool_calls.ToolRequest] = None) -> tuple[list[int], tuple[str, ...]]:
         """The prompt's tokens (a chat rendered with the model's template) and the format's own
         stop strings; ApiError when it is refused or does not fit the context."""
         model, stops = self.model, ()
@@ -149,7 +198,7 @@ class Service:
                 raise ApiError(400, self.settings.chat_problem, param="messages")
             formatter = self.settings.formatter
             try:
-                ids = encode_conversation(model, formatter, None, req.messages)
+                ids = encode_conversation(model, formatter, None, req.messages, tools=tools.given if tools is not None else None)
             except SpecliError as err:
                 raise ApiError(400, str(err), param="messages") from None
             stops = tuple(formatter.stop)

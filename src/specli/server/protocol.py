@@ -27,7 +27,7 @@ from specli.modes import DraftLength
 
 CHAT = "chat.completion"
 TEXT = "text_completion"
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; llama-server any)
 MAX_STOP_CHARS = 1024  # characters per stop string (each is searched for at every character generated)
 MAX_MESSAGE_CHARS = 1000  # an error message, at most (values in it are shortened by quoted())
@@ -40,7 +40,7 @@ SAMPLING_FIELDS = {name: kind for name, kind in JSON_FIELDS.items() if name != "
 NEUTRAL = {
     "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
-    "suffix": ("",), "tools": ([],), "functions": ([],),
+    "suffix": ("",), "functions": ([],),
 }
 
 
@@ -153,12 +153,42 @@ def parse_messages(value: Any) -> list[dict]:
         role = message.get("role")
         if role not in ROLES:
             raise ApiError(400, f"{where}: role must be one of {', '.join(ROLES)}, got {quoted(role)}", param="messages")
-        if message.get("tool_calls"):
-            raise ApiError(400, f"{where}: tool calls are not supported", param="messages")
         content = message.get("content")
         content = "" if content is None and role == "assistant" else _text_content(content, where)
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        parsed = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and message.get("tool_calls"):
+            parsed["tool_calls"] = assistant_calls(message["tool_calls"], where)
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise ApiError(400, f"{where}: 'tool_call_id' must be a string", param="messages")
+            parsed["tool_call_id"] = call_id or ""
+            if isinstance(message.get("name"), str):
+                parsed["name"] = message["name"]
+        out.append(parsed)
     return out
+
+
+def assistant_calls(value: Any, where: str) -> list[dict]:
+    """An assistant message's `tool_calls`, as a template takes them (the arguments an object,
+    as the templates write them back with tojson)."""
+    if not isinstance(value, list):
+        raise ApiError(400, f"{where}: 'tool_calls' must be a list", param="messages")
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f"{where}: tool_calls[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}", param="messages")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError as err:
+                raise ApiError(400, f"{where}: tool_calls[{j}]'s 'arguments' is not JSON ({err.msg})", param="messages") from None
+        call_id = call.get("id")
+        calls.append({"id": call_id if isinstance(call_id, str) else "", "type": "function",
+                      "function": {"name": unicode_text(function["name"], "messages"), "arguments": arguments}})
+    return calls
 
 
 def _prompt(value: Any) -> tuple[Optional[str], Optional[list[int]]]:
@@ -199,6 +229,8 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> ApiRequest:
     for name, neutral in NEUTRAL.items():
         if body.get(name) is not None and body[name] not in neutral:
             raise ApiError(400, f"'{name}' = {quoted(body[name])} is not supported by specli (leave it out)", param=name)
+    if kind == TEXT and body.get("tools") not in (None, []):
+        raise ApiError(400, f"'tools' = {quoted(body['tools'])} is a chat completions field (POST /v1/chat/completions)", param="tools")
     grammar = parse_constraint(body)
     messages = prompt = prompt_ids = None
     if kind == CHAT:
@@ -331,22 +363,25 @@ def timings(stats: Stats) -> dict:
     }
 
 
-def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, extra: dict) -> dict:
-    """The whole (non-streamed) response; `extra`: usage, speculative, timings."""
+def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, extra: dict, message: Optional[dict] = None) -> dict:
+    """The whole (non-streamed) response; `extra`: usage, speculative, timings; `message`: the
+    chat's message when it is not the text alone (tool calls)."""
     if kind == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": message or {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], **extra}
 
 
 def chunk(kind: str, rid: str, model: str, created: int, *, text: Optional[str] = None, role: bool = False,
-          finish_reason: Optional[str] = None, extra: Optional[dict] = None, no_choices: bool = False) -> dict:
-    """One streamed chunk: a piece of text, the chat's opening role, or the finish (with `extra`)."""
+          finish_reason: Optional[str] = None, extra: Optional[dict] = None, no_choices: bool = False, delta: Optional[dict] = None) -> dict:
+    """One streamed chunk: a piece of text (or a chat's `delta`: tool calls), the chat's opening
+    role, or the finish (with `extra`)."""
     if no_choices:
         choices = []
     elif kind == CHAT:
-        delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        if delta is None:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
         choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
     else:
         choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]

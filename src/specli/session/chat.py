@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
+from specli.constraints.tools import ToolFormat, tool_format
 from specli.decoding.generation import Request
 from specli.decoding.loop import generate
 from specli.decoding.sampling import sampling_json
@@ -62,20 +63,31 @@ class Formatter:
     jinja: Optional[JinjaTemplate] = None
     owner: str = "the model"
 
-    def render(self, system: Optional[str], messages: list[dict], *, add_assistant: bool = True) -> str:
+    def render(self, system: Optional[str], messages: list[dict], *, add_assistant: bool = True, tools: Optional[list[dict]] = None) -> str:
         """The conversation as text, ending with the assistant's opening when add_assistant.
-        Raises UsageError when the model's template fails on this conversation."""
-        pairs = ([("system", system)] if system else []) + [(m["role"], m["content"]) for m in messages]
+        `tools` (OpenAI's tool objects) and messages holding tool calls or tool results need the
+        model's own template (`tool_format`). Raises UsageError when the model's template fails
+        on this conversation."""
         if self.jinja is not None:
             try:
-                return self.jinja.render(pairs, add_assistant=add_assistant)
+                return self.jinja.render(([{"role": "system", "content": system}] if system else []) + list(messages),
+                                         add_assistant=add_assistant, tools=tools)
             except TemplateRenderError as err:
                 raise template_error(self.owner, err) from None
+        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            raise UsageError(f"the chat template ({self.name}) cannot render tools; they need a model whose own template does (e.g. Qwen 2.5)")
+        pairs = ([("system", system)] if system else []) + [(m["role"], m["content"]) for m in messages]
         if self.template is not None:
             text = apply_chat_template(self.template, pairs, add_assistant=add_assistant)
             if text is not None:
                 return text
         return render_plain(pairs, add_assistant=add_assistant)
+
+    @property
+    def tool_format(self) -> Optional[ToolFormat]:
+        """How this template writes tool calls (constraints/tools.py), or None: it writes none
+        that specli knows."""
+        return tool_format(self.template) if self.jinja is not None else None
 
     @property
     def stop(self) -> tuple[str, ...]:
