@@ -78,7 +78,7 @@ def test_bad_messages_are_refused(messages):
 
 def test_chunks_and_bodies_have_the_openai_shape():
     first = protocol.chunk(CHAT, "id", "m", 1, role=True)
-    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant", "content": None}
     piece = protocol.chunk(TEXT, "id", "m", 1, text="ab")
     assert piece["object"] == "text_completion" and piece["choices"][0]["text"] == "ab"
     last = protocol.chunk(CHAT, "id", "m", 1, finish_reason="stop", extra={"usage": protocol.usage(3, 4)})

@@ -48,6 +48,12 @@ def serve_command(
         "new positions (llama-server's --cache-reuse; 0: off).")),
     metrics: bool = typer.Option(False, "--metrics", help="Serve Prometheus metrics at /metrics (llama-server's names, plus specli's drafting figures)."),
     slots: bool = typer.Option(False, "--slots", help="Serve each slot's state at /slots (it shows every request's generated text to whoever has the key)."),
+    alias: Optional[str] = typer.Option(None, "--alias", "-a", help="The model's name in /v1/models and responses (comma-separated: more names a request may use)."),
+    strict_model_names: bool = typer.Option(False, "--strict-model-names", help="Answer 404 to a request that names another model (default: any name is this server's model, as llama-server)."),
+    cors_origins: str = typer.Option("*", "--cors-origins", help="Origins browsers may call from, comma-separated ('*': any; 'localhost': only this machine's)."),
+    cors_methods: str = typer.Option("GET, POST, DELETE, OPTIONS", "--cors-methods", help="Methods a CORS preflight allows."),
+    cors_headers: str = typer.Option("*", "--cors-headers", help="Headers a CORS preflight allows."),
+    cors_credentials: bool = typer.Option(True, "--cors-credentials/--no-cors-credentials", help="Allow credentials in CORS requests (with origins '*', the request's Origin is echoed)."),
 ) -> int:
     """Serve the models over an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
     /v1/models, /health) and llama-server's /infill, /tokenize, /detokenize, /apply-template and
@@ -67,6 +73,13 @@ def serve_command(
     from specli.server.scheduler import Scheduler
     from specli.session.loading import plan
 
+    names = [name.strip() for name in alias.split(",") if name.strip()] if alias is not None else []
+    if alias is not None and not names:
+        raise UsageError("--alias is empty; give the model's name (or several, comma-separated), or leave it out")
+    if not cors_origins.strip():
+        raise UsageError("--cors-origins is empty; give '*', 'localhost' or the origins allowed, comma-separated")
+    from specli.server.handling import Cors
+
     if template is not None:
         from specli.session.chat import check_template_name
 
@@ -77,7 +90,9 @@ def serve_command(
         the_plan = plan(choice)
         loaded = load_models(the_plan, choice, quiet=quiet, verbose=verbose)
         try:
-            settings = _settings(loaded, the_plan, models, choice, api_key, max_tokens, template, quiet)
+            settings = _settings(loaded, the_plan, models, choice, api_key, max_tokens, template, quiet, aliases=names)
+            settings.strict_models = strict_model_names
+            settings.cors = Cors(cors_origins.strip(), cors_methods, cors_headers, cors_credentials)
             def save_memory(every_s: float = 0.0) -> float | None:  # (--memory persist; when idle: the scheduler's on_idle)
                 problem = loaded.save_memory(every_s=every_s)
                 if problem and not quiet:
@@ -133,7 +148,7 @@ def serve_command(
     return 0
 
 
-def _settings(loaded, the_plan, models: Models, choice, api_key, max_tokens, template, quiet):
+def _settings(loaded, the_plan, models: Models, choice, api_key, max_tokens, template, quiet, aliases: list[str]):
     from specli.server.app import Settings
     from specli.session.chat import choose_formatter
 
@@ -147,11 +162,11 @@ def _settings(loaded, the_plan, models: Models, choice, api_key, max_tokens, tem
         if not quiet:
             print(f"specli: warning: chat requests will be refused: {problem}", file=sys.stderr)
     path = Path(the_plan.target_path)
-    model_id = models.model if models.model and not _looks_like_file(models.model) else path.stem
-    aliases = {path.name, path.stem, str(path)} | ({models.model} if models.model else set())
+    model_id = aliases[0] if aliases else models.model if models.model and not _looks_like_file(models.model) else path.stem
+    names = {path.name, path.stem, str(path), *aliases} | ({models.model} if models.model else set())
     log = None if quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     return Settings(
-        model_id=model_id, aliases=aliases, defaults=choice.sampling, api_key=api_key, default_max_tokens=max_tokens,
+        model_id=model_id, aliases=names, defaults=choice.sampling, api_key=api_key, default_max_tokens=max_tokens,
         formatter=formatter, chat_problem=problem, log=log,
     )
 

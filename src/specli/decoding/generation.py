@@ -4,9 +4,12 @@ stop strings and limits (stopping.py)."""
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
+
+import numpy as np
 
 from specli.decoding.sampling import SamplingParams
 from specli.decoding.stats import Stats
@@ -30,12 +33,40 @@ class Request:
     # The output's constraint (constraints.Constraint, docs/constraints.md): the step loop gives it to
     # the sequence's step, which masks verification and cuts drafts with it. None: unconstrained.
     constraint: Any = None
+    # Log probabilities of each emitted token and of the `logprobs` most likely ones at its place,
+    # from the target's own row (Generation.logprobs); None: not computed.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", list(self.prompt_ids))
         object.__setattr__(self, "stop", check_stop(self.stop))
         if self.limits is not None and not self.limits.active:
             object.__setattr__(self, "limits", None)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log probability under the target's own distribution at its place (the
+    raw logits' log-softmax, before sampling and any constraint: what llama-server reports), and
+    the `top` most likely tokens there, as (token, logprob), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(row, token: int, n_top: int) -> TokenLogprob:
+    """`token`'s entry from one row of the target's logits (float64 log-softmax)."""
+    logits = np.asarray(row, dtype=np.float64)
+    best = float(logits.max())
+    log_total = best + math.log(float(np.exp(logits - best).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if n_top > 0:
+        n = min(n_top, logits.shape[0])
+        ids = np.argpartition(-logits, n - 1)[:n] if n < logits.shape[0] else np.arange(n)
+        ids = ids[np.lexsort((ids, -logits[ids]))]  # most likely first, ties to the lower id
+        top = tuple((int(t), float(logits[t] - log_total)) for t in ids)
+    return TokenLogprob(int(token), float(logits[token] - log_total), top)
 
 
 @dataclass
@@ -73,6 +104,8 @@ class Generation:
     stop_word: str = ""  # the stop string that ended it (STOP_STRING)
     # Limits checked after each token (stopping.LineLimits: its after_token), or None.
     limits: LineLimits | None = None
+    # With Request.logprobs: one TokenLogprob per token of token_ids (cut with them).
+    logprobs: list[TokenLogprob] | None = None
     _steps: Iterator[Step] | None = None
     _stream: TextStream | None = None
     _held: str = ""  # decoded text not released yet: it may be the start of a stop string
@@ -100,10 +133,14 @@ class Generation:
         if self.stop_reason is None:
             self.finish(STOP_INTERRUPTED)
 
-    def record(self, tokens: list[int], n_accepted: int, n_drafted: int, is_eog, source: str | None = None) -> Step:
+    def record(self, tokens: list[int], n_accepted: int, n_drafted: int, is_eog, source: str | None = None,
+               logprobs: list[TokenLogprob] | None = None) -> Step:
         """Book one verified pass: `tokens` = the verdict's (accepted drafts, then the target's
         own), cut at the first end-of-generation token (not emitted; it finishes the
-        generation); drafts past it do not count as accepted. Returns the Step event."""
+        generation); drafts past it do not count as accepted; `logprobs`, one per token (when
+        the request asks for them). Returns the Step event."""
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.extend(logprobs[: len(tokens)])  # (cut below with token_ids: _cut_logprobs)
         emitted, stop = tokens, None
         for i, token in enumerate(tokens):
             if is_eog(token):
@@ -116,6 +153,7 @@ class Generation:
         text_drafted = self._stream.feed(emitted[:n_from_draft])
         text_own = self._stream.feed(emitted[n_from_draft:])
         self.token_ids.extend(emitted)
+        self._cut_logprobs()
         self.text += text_drafted + text_own
         self.stats.record_step(n_drafted, n_from_draft, len(emitted), source=source if n_drafted else None, n_decided=n_decided)
         if stop is not None:
@@ -170,11 +208,18 @@ class Generation:
         # (text held back from an earlier step is shown with this step's drafts, if it has any)
         split = min(drafted_end, len(released)) if n_from_draft else 0
         self.token_ids.extend(kept)
+        self._cut_logprobs()
         self.text += released
         self.stats.record_step(n_drafted, n_from_draft, len(kept), source=source if n_drafted else None, n_decided=n_decided)
         if stop is not None:
             self.finish(stop)
         return Step(kept, released[:split], released[split:], n_drafted=n_drafted, n_accepted=n_from_draft)
+
+    def _cut_logprobs(self) -> None:
+        """Keep one logprob entry per kept token (an end-of-generation token, a stop string's
+        tokens are not output)."""
+        if self.logprobs is not None:
+            del self.logprobs[len(self.token_ids) :]
 
     def finish(self, reason: str) -> None:
         """Stop with `reason` (one of the STOP_* values); flushes the text held back (a pending

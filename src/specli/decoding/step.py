@@ -19,7 +19,7 @@ import numpy as np
 
 from specli.decoding.branches import TokenTree
 from specli.decoding.drafters import Drafter, Proposal
-from specli.decoding.generation import Generation, Request, Step
+from specli.decoding.generation import Generation, Request, Step, token_logprobs
 from specli.decoding.memory_drafter import BRANCH_SOURCE, shared_prefix
 from specli.decoding.policy import FIXED, AdaptivePolicy, DraftJudge, StepReport
 from specli.decoding.sampling import GREEDY, SamplingParams, make_rng
@@ -108,7 +108,8 @@ class SpeculativeDecoder:
             # A fresh seed is drawn when none is given, and reported, so any run can be replayed.
             seed = seed if seed is not None else self.sampling.seed
             seed = seed if seed is not None else int(np.random.SeedSequence().entropy % 2**32)
-        gen = Generation(prompt_ids=prompt, seed=seed, stop=tuple(request.stop), limits=request.limits, _stream=TextStream(self.model_tgt.piece))
+        gen = Generation(prompt_ids=prompt, seed=seed, stop=tuple(request.stop), limits=request.limits, _stream=TextStream(self.model_tgt.piece),
+                         logprobs=[] if request.logprobs is not None else None)
         return SequenceStep(self, request, gen, cache, max_pass)
 
 
@@ -371,7 +372,13 @@ class SequenceStep:
         # live status's first drawing, 1 ms on a terminal)
         self._t_previous = t_done if gen.token_ids else None
 
-        step = gen.record(verdict.tokens, verdict.n_accepted, n_drafted, decoder.model_tgt.is_eog, source)
+        logprobs = None
+        if self.request.logprobs is not None:
+            # Each emitted token's row of this pass: the row it was verified (or chosen) on, so
+            # an accepted draft's logprob is the target's own, as plain decoding reports it.
+            at = range(len(verdict.tokens)) if tree is None else [0, *(1 + i for i in tree.paths[verdict.branch][: verdict.n_accepted])]
+            logprobs = [token_logprobs(rows[i], t, self.request.logprobs) for i, t in zip(at, verdict.tokens)]
+        step = gen.record(verdict.tokens, verdict.n_accepted, n_drafted, decoder.model_tgt.is_eog, source, logprobs=logprobs)
         if self.matcher is not None and self.matcher.done and gen.stop_reason is None:
             gen.finish(STOP_EOS)  # (only an end-of-generation token can follow: the pass it would take is saved)
         if tree is not None:

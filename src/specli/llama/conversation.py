@@ -19,8 +19,8 @@ class ChatFormat(Protocol):
 
     name: str
 
-    def render(self, system: Optional[str], messages: list[dict], *, tools: Optional[list[dict]] = None) -> str:
-        """The conversation as text, ending with the opening of the assistant's turn."""
+    def render(self, system: Optional[str], messages: list[dict], *, add_assistant: bool = True, tools: Optional[list[dict]] = None) -> str:
+        """The conversation as text, ending with the opening of the assistant's turn (when add_assistant)."""
         ...
 
 
@@ -38,16 +38,28 @@ def _with_bos(model: LlamaModel, ids: list[int]) -> list[int]:
 
 
 def encode_conversation(model: LlamaModel, formatter: ChatFormat, system: Optional[str], messages: list[dict], *,
-                        tools: Optional[list[dict]] = None) -> list[int]:
+                        tools: Optional[list[dict]] = None, add_assistant: bool = True, continue_final: bool = False) -> list[int]:
     """Tokens of the conversation rendered by `formatter`, where only the template's own text
     may become control tokens: a message holding a marker's text (`<start_of_turn>` typed into
     a chat) is tokenized as that text, so that no message can forge a turn. Conversations
     without such text are tokenized as a whole.
 
+    add_assistant: end with the opening of the assistant's turn. continue_final: the last
+    message is the assistant's, and the reply continues its text (a prefill): the conversation
+    ends right after that text, before the template closes the turn.
+
     Raises UsageError when a message holds a marker's text and the template changes message
     text beyond trimming it (its spans cannot then be told apart from the template's)."""
-    text = formatter.render(system, messages, **({"tools": tools} if tools else {}))
     contents = ([system] if system else []) + [m["content"] for m in messages]
+    if continue_final and messages[-1]["content"].strip():
+        if any(_holds_control_text(model, c) for c in contents):
+            raise UsageError("a message holds the text of one of the model's control tokens, which a continued assistant message "
+                             "cannot keep apart from the template's own; remove it")
+        text = formatter.render(system, messages, add_assistant=False, **({"tools": tools} if tools else {}))
+        return encode(model, _cut_after(text, messages[-1]["content"], formatter.name))
+    if continue_final:  # (nothing to continue: the assistant's turn opens as for a new reply)
+        messages, add_assistant = messages[:-1], True
+    text = formatter.render(system, messages, add_assistant=add_assistant, **({"tools": tools} if tools else {}))
     calls = [json.dumps(m["tool_calls"], ensure_ascii=False) for m in messages if m.get("tool_calls")]
     if tools or calls:  # (tools and calls are rendered as JSON: no span of the text is theirs alone)
         if any(_holds_control_text(model, c) for c in [*contents, *calls, json.dumps(tools or [], ensure_ascii=False)]):
@@ -85,6 +97,17 @@ def encode_conversation(model: LlamaModel, formatter: ChatFormat, system: Option
 
 
 _C_SPACE = " \t\n\v\f\r"  # what C's isspace() takes, as llama.cpp strips
+
+
+def _cut_after(text: str, content: str, name: str) -> str:
+    """`text` up to the end of its last copy of `content` (the final message, which the reply
+    continues), as it is or as the template trimmed it."""
+    for kept in dict.fromkeys((content, content.rstrip(), content.strip())):
+        at = text.rfind(kept)
+        if kept and at >= 0:
+            return text[: at + len(kept)]
+    raise UsageError(f"the chat template ({name}) changes the final assistant message's text, so the reply cannot continue it; "
+                     "send it as an earlier turn, or leave it out")
 
 
 def _holds_control_text(model: LlamaModel, text: str) -> bool:

@@ -33,10 +33,11 @@ from starlette.routing import Route
 from specli.constraints import Constraint, Grammar
 from specli.constraints.tools import NONE, ToolConstraint, ToolFormat
 from specli.decoding.generation import Request
+from specli.decoding.text import TextStream
 from specli.errors import SpecliError, UsageError
 from specli.llama.conversation import encode_conversation
 from specli.server import protocol, tool_calls
-from specli.server.handling import ClientLeft, Settings, check_key, check_model, log_done, read_json, sse_event, sse_response, submit
+from specli.server.handling import ClientLeft, Cors, Settings, check_key, check_model, log_done, make_constraint, read_json, sse_event, sse_response, submit
 from specli.server.llama_api import LlamaRoutes
 from specli.server.protocol import CHAT, TEXT, ApiError
 from specli.server.scheduler import Delta, Done, Event, Failed, Scheduler
@@ -90,7 +91,7 @@ class Service:
         else:
             constraint = None if req.grammar is None else await run_in_threadpool(self._constraint, req.grammar)
         submitted = submit(self.scheduler, Request(prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=(*format_stop, *req.stop),
-                                                   constraint=constraint))
+                                                   constraint=constraint, logprobs=req.logprobs))
         rid, t0 = protocol.new_id(kind), time.perf_counter()
         calls = self.settings.formatter.tool_format if tools is not None and tools.choice != NONE else None  # (parsed from the output)
         if req.stream:
@@ -105,7 +106,16 @@ class Service:
         if calls is not None:
             message, called = tool_calls.message(calls, text)
             finish = "tool_calls" if called and finish == "stop" else finish
-        return JSONResponse(protocol.response_body(kind, rid, self.settings.model_id, text, finish, self._extra(event), message))
+        gen = event.generation
+        logprobs = None if gen.logprobs is None else self._logprobs(kind, list(gen.token_ids), gen.logprobs)
+        return JSONResponse(protocol.response_body(kind, rid, self.settings.model_id, text, finish, self._extra(event), message, logprobs))
+
+    def _logprobs(self, kind: str, tokens: list[int], entries, texts: Optional[list[str]] = None, start: int = 0) -> dict:
+        """A choice's (or a chunk's) `logprobs`: chat's {"content": [...]}, completions' legacy
+        fields too. `texts`: each token's output text (default: from the tokens alone)."""
+        texts = texts if texts is not None else protocol.logprob_texts(self.model, tokens)
+        content = [protocol.logprob_entry(self.model, e, t) for e, t in zip(entries, texts)]
+        return {"content": content, "refusal": None} if kind == CHAT else protocol.completion_logprobs(content, start)
 
     async def _chunks(self, events: AsyncIterator[Event], req: protocol.ApiRequest, rid: str, t0: float, http: HttpRequest,
                       calls: Optional[ToolFormat] = None):
@@ -114,24 +124,51 @@ class Service:
         for), then [DONE]."""
         kind, model, created = req.kind, self.settings.model_id, int(time.time())
         deltas = tool_calls.ToolDeltas(calls) if calls is not None else None
+        # With logprobs: the entries of the tokens not yet shown, which go with the next chunk
+        # (with tools, text held back by the call parser shows no chunk yet)
+        texts = TextStream(self.model.piece) if req.logprobs is not None else None
+        pending: list[dict] = []
+        n_sent, offset = 0, 0
+
+        def take(tokens, entries) -> None:
+            if texts is not None:
+                pending.extend(protocol.logprob_entry(self.model, e, texts.feed([t])) for t, e in zip(tokens, entries))
+
+        def shown() -> Optional[dict]:
+            nonlocal offset
+            if texts is None or not pending:
+                return None
+            content = list(pending)
+            pending.clear()
+            out = {"content": content, "refusal": None} if kind == CHAT else protocol.completion_logprobs(content, offset)
+            offset += sum(len(c["token"]) for c in content)
+            return out
 
         def pieces(text: str):
             if deltas is None:
-                return [protocol.chunk(kind, rid, model, created, text=text)]
-            return [protocol.chunk(kind, rid, model, created, delta=d) for d in deltas.feed(text)]
+                return [protocol.chunk(kind, rid, model, created, text=text, logprobs=shown())]
+            out = [protocol.chunk(kind, rid, model, created, delta=d) for d in deltas.feed(text)]
+            if out and pending:
+                out[0]["choices"][0]["logprobs"] = shown()
+            return out
 
         if kind == CHAT:
             yield sse_event(protocol.chunk(kind, rid, model, created, role=True))
         async for event in events:
             if isinstance(event, Delta):
+                n_sent += len(event.tokens)
+                take(event.tokens, event.logprobs)
                 for piece in pieces(event.text):
                     yield sse_event(piece)
             elif isinstance(event, Failed):
                 yield sse_event(ApiError(event.status, event.message).body())
             else:
-                for piece in pieces(event.tail) if event.tail else []:
+                gen = event.generation
+                if gen.logprobs is not None:
+                    take(gen.token_ids[n_sent:], gen.logprobs[n_sent:])
+                for piece in pieces(event.tail) if event.tail or pending else []:
                     yield sse_event(piece)
-                finish = protocol.FINISH_REASONS.get(event.generation.stop_reason, "stop")
+                finish = protocol.FINISH_REASONS.get(gen.stop_reason, "stop")
                 if deltas is not None:
                     for d in deltas.finish():
                         yield sse_event(protocol.chunk(kind, rid, model, created, delta=d))
@@ -139,10 +176,10 @@ class Service:
                 extra = self._extra(event)
                 if req.include_usage:  # usage once, in its own last chunk (as OpenAI sends it)
                     finish_extra = {k: v for k, v in extra.items() if k != "usage"}
-                    yield sse_event(protocol.chunk(kind, rid, model, created, finish_reason=finish, extra=finish_extra))
+                    yield sse_event(protocol.chunk(kind, rid, model, created, finish_reason=finish, extra=finish_extra, logprobs=shown()))
                     yield sse_event(protocol.chunk(kind, rid, model, created, no_choices=True, extra=extra))
                 else:
-                    yield sse_event(protocol.chunk(kind, rid, model, created, finish_reason=finish, extra=extra))
+                    yield sse_event(protocol.chunk(kind, rid, model, created, finish_reason=finish, extra=extra, logprobs=shown()))
                 self._log(http, event, t0)
         yield "data: [DONE]\n\n"
 
@@ -172,12 +209,7 @@ class Service:
             raise ApiError(400, str(err), param="tools") from None
 
     def _constraint(self, grammar: Grammar) -> Constraint:
-        """The request's grammar on the model's vocabulary (the tokenizer is built once: about a
-        second, the first time); 400 when the vocabulary refuses it."""
-        try:
-            return Constraint(grammar, self.model)
-        except UsageError as err:
-            raise ApiError(400, str(err)) from None
+        return make_constraint(grammar, self.model)
 
     def _prompt_ids(self, req: protocol.ApiRequest, tools: Optional[tool_calls.ToolRequest] = None) -> tuple[list[int], tuple[str, ...]]:
         """The prompt's tokens (a chat rendered with the model's template) and the format's own
@@ -190,15 +222,16 @@ class Service:
         # (a character is at least one), so such a text could never fit (margin 2 for tokenizers
         # whose unknown-token stands for a whole word).
         if chars > 2 * n_ctx * model.longest_token_bytes():
-            raise ApiError(400, f"the {'messages hold' if req.kind == CHAT else 'prompt is'} {chars:,} characters,"
-                           f" far more than a request's context of {n_ctx} tokens can hold; shorten it, or restart the server with a larger -c",
-                           param=field, code="context_length_exceeded")
+            raise protocol.context_exceeded(f"the {'messages hold' if req.kind == CHAT else 'prompt is'} {chars:,} characters,"
+                                            f" far more than a request's context of {n_ctx} tokens can hold; shorten it, or restart the server with a larger -c",
+                                            param=field, n_ctx=n_ctx)
         if req.kind == CHAT:
             if self.settings.chat_problem:
                 raise ApiError(400, self.settings.chat_problem, param="messages")
             formatter = self.settings.formatter
             try:
-                ids = encode_conversation(model, formatter, None, req.messages, tools=tools.given if tools is not None else None)
+                ids = encode_conversation(model, formatter, None, req.messages, tools=tools.given if tools is not None else None,
+                                          add_assistant=req.add_assistant, continue_final=req.continue_final)
             except SpecliError as err:
                 raise ApiError(400, str(err), param="messages") from None
             stops = tuple(formatter.stop)
@@ -212,8 +245,8 @@ class Service:
         if not ids:
             raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
         if len(ids) >= n_ctx:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens but a request's context holds {n_ctx}; shorten it, or restart the server with a larger -c",
-                           param=field, code="context_length_exceeded")
+            raise protocol.context_exceeded(f"the prompt is {len(ids)} tokens but a request's context holds {n_ctx}; shorten it, or restart the server with a larger -c",
+                                            param=field, n_prompt_tokens=len(ids), n_ctx=n_ctx)
         return ids, stops
 
     def _extra(self, event: Done) -> dict:
@@ -232,7 +265,7 @@ def make_app(service: Service):
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     async def http_error(_request, err: HTTPException) -> Response:
-        message = {404: "no such endpoint (see GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /infill; docs/serve.md)",
+        message = {404: "no such endpoint (see GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /completion, POST /infill; docs/serve.md)",
                    405: "method not allowed here"}.get(err.status_code, err.detail)
         return JSONResponse(ApiError(err.status_code, message).body(), status_code=err.status_code, headers=getattr(err, "headers", None))
 
@@ -250,8 +283,9 @@ def make_app(service: Service):
         # llama-server's and some clients' spellings without the version
         Route("/models", service.models, methods=["GET"]),
         Route("/chat/completions", service.chat, methods=["POST"]),
-        Route("/completions", service.completions, methods=["POST"]),
-        # llama-server's own (llama_api.py)
+        # llama-server's own (llama_api.py); /completions without the version is its native one, as llama-server routes it
+        Route("/completion", service.llama.completion, methods=["POST"]),
+        Route("/completions", service.llama.completion, methods=["POST"]),
         Route("/infill", service.llama.infill, methods=["POST"]),
         Route("/tokenize", service.llama.tokenize, methods=["POST"]),
         Route("/detokenize", service.llama.detokenize, methods=["POST"]),
@@ -262,7 +296,38 @@ def make_app(service: Service):
         Route("/v1/health", service.health, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, ClientLeft: client_left, Exception: internal})
-    return framing_guard(app)
+    guarded = framing_guard(app)
+    return cors_guard(guarded, service.settings.cors) if service.settings.cors is not None else guarded
+
+
+def cors_guard(app, cors: Cors):
+    """llama-server's CORS, before anything else: every response gets its
+    Access-Control-Allow-Origin, and an OPTIONS request (a browser's preflight, which carries no
+    API key) is answered at once, 200 with the allowed methods and headers."""
+
+    async def with_cors(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        headers = dict(scope.get("headers", ()))
+        origin = headers.get(b"origin")
+        allow = cors.allow_origin(origin.decode("latin-1") if origin is not None else None)
+        extra = [] if allow is None else [(b"access-control-allow-origin", allow.encode("latin-1"))]
+        if scope["method"] == "OPTIONS":
+            extra += [(b"access-control-allow-credentials", b"true" if cors.credentials else b"false"),
+                      (b"access-control-allow-methods", cors.methods.encode("latin-1")),
+                      (b"access-control-allow-headers", cors.headers.encode("latin-1"))]
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/html"), (b"content-length", b"0"), *extra]})
+            return await send({"type": "http.response.body", "body": b""})
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start" and extra:
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            await send(message)
+
+        await app(scope, receive, send_with_cors)
+
+    return with_cors
 
 
 MAX_HEADER_BYTES = 32 * 1024  # every header together; clients send well under 8 KB

@@ -48,6 +48,40 @@ class Settings:
     metrics: bool = False  # --metrics: GET /metrics answers (else 501, as llama-server's)
     slots: bool = False  # --slots: GET /slots answers
     model_path: str = ""  # for /props
+    strict_models: bool = False  # --strict-model-names: a request naming another model is a 404
+    cors: Optional["Cors"] = None  # the CORS answers (None: no CORS headers at all)
+
+
+@dataclass(frozen=True)
+class Cors:
+    """llama-server's CORS settings (--cors-origins, --cors-methods, --cors-headers,
+    --cors-credentials), with its defaults: any origin, with credentials (the request's Origin is
+    echoed back). --api-key still guards every endpoint: a preflight carries no key, and gets only
+    these headers."""
+
+    origins: str = "*"  # a comma-separated list, "*", or "localhost" (echo a localhost Origin only)
+    methods: str = "GET, POST, DELETE, OPTIONS"
+    headers: str = "*"
+    credentials: bool = True
+
+    def allow_origin(self, origin: Optional[str]) -> Optional[str]:
+        """The Access-Control-Allow-Origin value for a request from `origin` (None: no header)."""
+        if self.origins == "*" and self.credentials:
+            return origin or ""  # (llama-server echoes it, empty when absent)
+        if self.origins == "localhost":
+            return origin if origin and is_localhost_origin(origin) else None
+        return self.origins
+
+
+def is_localhost_origin(origin: str) -> bool:
+    """Whether an Origin (scheme://host[:port]) names this machine."""
+    from urllib.parse import urlsplit
+
+    try:
+        host = urlsplit(origin).hostname
+    except ValueError:
+        return False
+    return host in ("localhost", "127.0.0.1", "::1")
 
 
 # --- checking a request -------------------------------------------------------------------------------
@@ -56,20 +90,40 @@ def check_key(settings: Settings, http: HttpRequest) -> None:
     key = settings.api_key
     if key is None:
         return
-    given = http.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
+    given = http.headers.get("authorization")
+    if given is not None:
+        scheme, _, token = given.partition(" ")
+    else:  # (llama-server's fallback, the header Anthropic's clients send: the key alone, or after "Bearer ")
+        given = http.headers.get("x-api-key", "")
+        scheme, _, token = given.partition(" ") if given[:7].lower() == "bearer " else ("bearer", "", given)
     # Header bytes reach us decoded as Latin-1 (ASGI): back to the bytes sent, against the
     # key's UTF-8 bytes, so a key with non-ASCII characters sent as UTF-8 is the same key.
     sent = token.encode("latin-1", errors="replace").strip(b" \t")  # (str.strip would take \xa0, a UTF-8 byte)
     if scheme.lower() != "bearer" or not hmac.compare_digest(sent, key.encode("utf-8")):
-        raise ApiError(401, "invalid or missing API key: send the server's --api-key as 'Authorization: Bearer KEY'",
+        raise ApiError(401, "invalid or missing API key: send the server's --api-key as 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY')",
                        code="invalid_api_key", kind="authentication_error")
 
 
 def check_model(settings: Settings, name: Optional[str]) -> None:
-    """404 when a request names a model this server does not serve (None: it names none)."""
+    """With --strict-model-names, 404 when a request names a model this server does not serve
+    (None: it names none). Else any name is this server's one model, as llama-server and LM
+    Studio take it: clients send their own defaults ("gpt-3.5-turbo")."""
+    if not settings.strict_models:
+        return
     if name is not None and name != settings.model_id and name not in settings.aliases:
         raise ApiError(404, f"model {quoted(name)} is not served here; this server serves '{settings.model_id}' (GET /v1/models)", param="model", code="model_not_found")
+
+
+def make_constraint(grammar, model):
+    """A request's grammar on the model's vocabulary (constraints.Constraint; the tokenizer is
+    built once: about a second, the first time); 400 when the vocabulary refuses it."""
+    from specli.constraints import Constraint
+    from specli.errors import UsageError
+
+    try:
+        return Constraint(grammar, model)
+    except UsageError as err:
+        raise ApiError(400, str(err)) from None
 
 
 class ClientLeft(Exception):

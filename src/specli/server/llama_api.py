@@ -27,13 +27,15 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from specli import __version__
+from specli.constraints import Grammar
 from specli.decoding.generation import Request
 from specli.decoding.sampling import SamplingParams
+from specli.decoding.text import TextStream
 from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_EOS, STOP_STRING, LineLimits
 from specli.errors import SettingError, SpecliError
 from specli.modes import DraftMode
 from specli.server import fim, protocol
-from specli.server.handling import Settings, check_key, check_model, log_done, read_json, sse_event, sse_response, submit
+from specli.server.handling import Settings, check_key, check_model, log_done, make_constraint, read_json, sse_event, sse_response, submit
 from specli.server.protocol import ApiError, quoted
 from specli.server.scheduler import Delta, Done, Event, Failed, Scheduler
 
@@ -57,7 +59,8 @@ FIM_PRESET_CTX = 4096  # the -c of llama-server's FIM presets (--fim-qwen-1.5b-d
 
 @dataclass
 class InfillRequest:
-    """One checked /infill request."""
+    """One checked /infill request, or /completion's (`content`: its prompt; then the prefix,
+    suffix and extra context are unused)."""
 
     model: Optional[str]
     prefix: fim.Mixed
@@ -75,6 +78,9 @@ class InfillRequest:
     n_cache_reuse: Optional[int]
     return_tokens: bool
     response_fields: Optional[list[str]]
+    content: Optional[fim.Mixed] = None  # /completion's prompt: a text, token ids, or a mix
+    n_probs: int = 0  # /completion: the log probabilities of each token and of the n_probs most likely there
+    grammar: Optional[Grammar] = None  # /completion: grammar or json_schema
 
 
 # --- checking requests ------------------------------------------------------------------------------
@@ -149,16 +155,61 @@ def _check_neutral(body: dict) -> None:
             raise ApiError(400, f"'{name}' = {quoted(value)} is not supported by specli (leave it out)", param=name)
 
 
+MAX_N_PROBS = 100  # /completion's n_probs, at most (each costs a look at the whole row)
+
+
+def parse_completion(body: Any, defaults: SamplingParams, n_vocab: int) -> InfillRequest:
+    """Check a /completion body (llama-server's native completion): `prompt` a text, token ids,
+    or a mix of both; n_probs (or its alias logprobs); grammar or json_schema; the rest as
+    /infill's."""
+    body = _object(body)
+    if "prompt" not in body:
+        raise ApiError(400, "'prompt' is required (a text, a list of token ids, or a mix of both)", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:  # (llama-server: several prompts, an answer each)
+            raise ApiError(400, "one prompt per request; send the others as their own requests", param="prompt")
+        prompt = prompt[0]
+    content = _mixed({"prompt": prompt}, "prompt", n_vocab)
+    if not content:
+        raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
+    n_probs = 0
+    for name in ("n_probs", "logprobs"):  # (logprobs: llama-server's alias, when n_probs is not given)
+        value = body.get(name)
+        if value is not None and value is not False:
+            n_probs = _int(body, name, 0, MAX_N_PROBS)
+            break
+    if n_probs and body.get("post_sampling_probs") is True:
+        raise ApiError(400, "'post_sampling_probs' is not supported by specli: its probabilities are the model's own, before "
+                            "sampling (leave it out)", param="post_sampling_probs")
+    constraint = {k: body[k] for k in ("json_schema", "grammar") if body.get(k) not in (None, "", {})}
+    if body.get("json_schema") == {}:  # (llama-server's empty schema: any object)
+        constraint["json_schema"] = {"type": "object"}
+    if "json_schema" in constraint:  # (llama-server's precedence: json_schema over grammar)
+        constraint.pop("grammar", None)
+    grammar = protocol.parse_constraint(constraint)
+    checked = {k: v for k, v in body.items() if k not in ("n_probs", "logprobs", "json_schema", "grammar")}
+    req = _parse_native(checked, defaults, n_vocab, prompt="")
+    req.content, req.n_probs, req.grammar = content, n_probs, grammar
+    return req
+
+
 def parse_infill(body: Any, defaults: SamplingParams, n_vocab: int) -> InfillRequest:
     """Check an /infill body. `defaults`: the server's sampling (its command line)."""
     body = _object(body)
     for name in ("input_prefix", "input_suffix"):
         if name not in body:
             raise ApiError(400, f"'{name}' is required (the text before the cursor, and after it; \"\" for none)", param=name)
-    prefix, suffix = _mixed(body, "input_prefix", n_vocab), _mixed(body, "input_suffix", n_vocab)
     prompt = body.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise ApiError(400, f"'prompt' must be a string (it goes after the prefix), got {quoted(prompt)}", param="prompt")
+    return _parse_native(body, defaults, n_vocab, prompt=prompt or "", prefix=_mixed(body, "input_prefix", n_vocab),
+                         suffix=_mixed(body, "input_suffix", n_vocab), extra=_extra(body.get("input_extra")))
+
+
+def _parse_native(body: dict, defaults: SamplingParams, n_vocab: int, *, prompt: str, prefix: fim.Mixed = "", suffix: fim.Mixed = "",
+                  extra: Optional[list] = None) -> InfillRequest:
+    """The fields /infill and /completion share."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", param="model")
@@ -190,7 +241,7 @@ def parse_infill(body: Any, defaults: SamplingParams, n_vocab: int) -> InfillReq
         _int(body, name, -1)
     t_max = _int(body, "t_max_predict_ms", -1, LARGEST_MS)
     return InfillRequest(
-        model=model, prefix=prefix, suffix=suffix, extra=_extra(body.get("input_extra")), prompt=protocol.unicode_text(prompt or "", "prompt"),
+        model=model, prefix=prefix, suffix=suffix, extra=extra or [], prompt=protocol.unicode_text(prompt, "prompt"),
         n_predict=n_predict, sampling=sampling, seed=seed, stop=_infill_stop(body.get("stop")), stream=_bool(body, "stream", False),
         n_indent=_int(body, "n_indent", 0) or 0, t_max_predict_ms=t_max if t_max is not None and t_max > 0 else None,
         cache_prompt=_bool(body, "cache_prompt", True), n_cache_reuse=_int(body, "n_cache_reuse", 0),
@@ -253,13 +304,41 @@ class LlamaRoutes:
         req = parse_infill(body, self.settings.defaults, self.model.n_vocab)
         check_model(self.settings, req.model)
         prompt_ids = await run_in_threadpool(self._infill_ids, req)
+        return await self._generate(http, req, prompt_ids)
+
+    # --- POST /completion (and /completions): llama-server's native completion -----------------------
+    async def completion(self, http: HttpRequest) -> Response:
+        check_key(self.settings, http)
+        body = await read_json(http)
+        req = parse_completion(body, self.settings.defaults, self.model.n_vocab)
+        check_model(self.settings, req.model)
+        prompt_ids = await run_in_threadpool(self._completion_ids, req)
+        constraint = None if req.grammar is None else await run_in_threadpool(make_constraint, req.grammar, self.model)
+        return await self._generate(http, req, prompt_ids, constraint)
+
+    def _completion_ids(self, req: InfillRequest) -> list[int]:
+        """The prompt's tokens as llama-server makes them: texts with BOS first (where the model
+        wants one) and control text parsed, ids as they are."""
+        content = req.content
+        ids = self.model.tokenize_prompt(content) if isinstance(content, str) else fim.tokenize_mixed(
+            self.model, content, add_special=self.model.vocab_info().add_bos, parse_special=True)
+        if not ids:
+            raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
+        n_ctx = self.scheduler.n_ctx
+        if len(ids) >= n_ctx:
+            raise protocol.context_exceeded(f"the prompt is {len(ids)} tokens but a request's context holds {n_ctx}; shorten it, or restart the "
+                                            "server with a larger -c", param="prompt", n_prompt_tokens=len(ids), n_ctx=n_ctx)
+        return ids
+
+    async def _generate(self, http: HttpRequest, req: InfillRequest, prompt_ids: list[int], constraint=None) -> Response:
+        """/infill's or /completion's generation, answered in llama-server's shapes."""
         if req.n_predict is None or req.n_predict == -1:
             max_tokens = self.settings.default_max_tokens or self.scheduler.n_ctx
         else:
             max_tokens = max(1, req.n_predict)  # (0: llama-server evaluates the prompt and returns the one token it makes)
         submitted = submit(self.scheduler, Request(
             prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=req.stop, limits=LineLimits(req.n_indent, req.t_max_predict_ms),
-            fresh=not req.cache_prompt, cache_reuse=req.n_cache_reuse,
+            fresh=not req.cache_prompt, cache_reuse=req.n_cache_reuse, constraint=constraint, logprobs=req.n_probs or None,
         ))
         t0 = time.perf_counter()
         if req.stream:
@@ -270,24 +349,40 @@ class LlamaRoutes:
         event, _ = finished
         log_done(self.settings, self.scheduler, http, event, t0)
         gen = event.generation
-        return JSONResponse(self._infill_final(req, event, gen.text, list(gen.token_ids) if req.return_tokens else []))
+        body = self._infill_final(req, event, gen.text, list(gen.token_ids) if req.return_tokens else [])
+        if gen.logprobs:
+            body["completion_probabilities"] = self._probabilities(gen.token_ids, gen.logprobs, TextStream(self.model.piece))
+        return JSONResponse(nested_fields(req.response_fields, body) if req.response_fields else body)
+
+    def _probabilities(self, tokens, entries, texts: TextStream) -> list[dict]:
+        """llama-server's completion_probabilities: each token's id, text, bytes and logprob, and
+        its top_logprobs."""
+        return [protocol.logprob_entry(self.model, e, texts.feed([t]), with_id=True) for t, e in zip(tokens, entries)]
 
     async def _infill_events(self, events: AsyncIterator[Event], req: InfillRequest, n_prompt: int, t0: float, http: HttpRequest):
-        """llama-server's /infill stream: a `data: {...}` event per step with its text (its
-        /completion partial object), then the final object with "stop": true (its text already
-        sent); no [DONE]."""
+        """llama-server's /infill and /completion stream: a `data: {...}` event per step with its
+        text (its /completion partial object, with its tokens' completion_probabilities when
+        asked for), then the final object with "stop": true (its text already sent); no [DONE]."""
         n_sent = 0
+        texts = TextStream(self.model.piece)
         async for event in events:
             if isinstance(event, Delta):
                 n_sent += len(event.tokens)
-                yield sse_event(self._infill_partial(event.text, list(event.tokens), n_sent, n_prompt))
+                partial = self._infill_partial(event.text, list(event.tokens), n_sent, n_prompt)
+                if event.logprobs:
+                    partial["completion_probabilities"] = self._probabilities(event.tokens, event.logprobs, texts)
+                yield sse_event(partial)
             elif isinstance(event, Failed):
                 yield sse_event(ApiError(event.status, event.message).body())
             else:
                 gen = event.generation
                 if event.tail or gen.token_ids[n_sent:]:
-                    yield sse_event(self._infill_partial(event.tail, gen.token_ids[n_sent:], len(gen.token_ids), n_prompt))
-                yield sse_event(self._infill_final(req, event, "", []))
+                    partial = self._infill_partial(event.tail, gen.token_ids[n_sent:], len(gen.token_ids), n_prompt)
+                    if gen.logprobs and gen.logprobs[n_sent:]:
+                        partial["completion_probabilities"] = self._probabilities(gen.token_ids[n_sent:], gen.logprobs[n_sent:], texts)
+                    yield sse_event(partial)
+                final = self._infill_final(req, event, "", [])
+                yield sse_event(nested_fields(req.response_fields, final) if req.response_fields else final)
                 log_done(self.settings, self.scheduler, http, event, t0)
 
     def _infill_ids(self, req: InfillRequest) -> list[int]:
@@ -307,10 +402,10 @@ class LlamaRoutes:
                 fix, param = f"send a shorter 'prompt' (it takes {n_prompt:,} tokens), or restart the server with a -c above {len(ids)}", "prompt"
             else:
                 fix, param = f"restart the server with a larger -c ({FIM_PRESET_CTX}, as llama-server's FIM presets, holds any prefix and suffix)", "input_prefix"
-            raise ApiError(
-                400, f"the prefix, 'prompt' and suffix take {len(ids)} tokens with the FIM tokens (the prefix keeps its last "
-                     f"{fim.PREFIX_TAKE:,} tokens, the suffix its first {fim.SUFFIX_TAKE:,} less the 'prompt's), but a request's context "
-                     f"holds {n_ctx}; {fix}", param=param, code="context_length_exceeded",
+            raise protocol.context_exceeded(
+                f"the prefix, 'prompt' and suffix take {len(ids)} tokens with the FIM tokens (the prefix keeps its last "
+                f"{fim.PREFIX_TAKE:,} tokens, the suffix its first {fim.SUFFIX_TAKE:,} less the 'prompt's), but a request's context "
+                f"holds {n_ctx}; {fix}", param=param, n_prompt_tokens=len(ids), n_ctx=n_ctx,
             )
         return ids
 
@@ -335,7 +430,9 @@ class LlamaRoutes:
             "stopping_word": gen.stop_word, "tokens_cached": len(gen.prompt_ids) + max(0, len(gen.token_ids) - 1),
             "timings": infill_timings(gen.stats), "speculative": spec,
         }
-        return nested_fields(req.response_fields, body) if req.response_fields else body
+        if req.content is not None or req.n_probs:
+            settings["n_probs"] = req.n_probs
+        return body
 
     def _fim_tokens(self) -> dict:
         if self._fim is None:

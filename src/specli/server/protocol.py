@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from specli import __version__
 from specli.constraints import Grammar
 from specli.decoding.sampling import JSON_FIELDS, SamplingParams
 from specli.decoding.stats import Stats
@@ -31,6 +32,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; llama-server any)
 MAX_STOP_CHARS = 1024  # characters per stop string (each is searched for at every character generated)
 MAX_MESSAGE_CHARS = 1000  # an error message, at most (values in it are shortened by quoted())
+SYSTEM_FINGERPRINT = f"specli-{__version__}"  # (OpenAI's: which backend answered; llama-server's build)
 LARGEST = 2**63  # integers of a request are below this in size (a seed, a token count, a token id)
 
 # The sampling fields a request may set (bool is refused where a number is wanted: True is 1 in
@@ -38,7 +40,7 @@ LARGEST = 2**63  # integers of a request are below this in size (a seed, a token
 SAMPLING_FIELDS = {name: kind for name, kind in JSON_FIELDS.items() if name != "seed"}
 # OpenAI fields specli does not implement, with the values that mean "not used".
 NEUTRAL = {
-    "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
+    "n": (1,), "best_of": (1,), "echo": (False,),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
     "suffix": ("",), "functions": ([],),
 }
@@ -47,15 +49,26 @@ NEUTRAL = {
 class ApiError(Exception):
     """A refused request: its HTTP status and OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None, kind: Optional[str] = None):
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None, kind: Optional[str] = None,
+                 fields: Optional[dict] = None):
         if len(message) > MAX_MESSAGE_CHARS:  # (a message quoting what quoted() did not shorten: a template's own error text)
             message = f"{message[: MAX_MESSAGE_CHARS - 3]}... ({len(message):,} characters)"
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.fields = fields or {}  # more of the error object (llama-server's n_prompt_tokens and n_ctx)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code, **self.fields}}
+
+
+def context_exceeded(message: str, *, param: str, n_prompt_tokens: Optional[int] = None, n_ctx: Optional[int] = None) -> ApiError:
+    """A prompt that does not fit: OpenAI's code (context_length_exceeded) with llama-server's
+    type and fields, so that clients of either read it (n_prompt_tokens when it was counted)."""
+    fields = {"n_ctx": n_ctx} if n_ctx is not None else {}
+    if n_prompt_tokens is not None:
+        fields["n_prompt_tokens"] = n_prompt_tokens
+    return ApiError(400, message, param=param, code="context_length_exceeded", kind="exceed_context_size_error", fields=fields)
 
 
 @dataclass
@@ -77,6 +90,12 @@ class ApiRequest:
     # false (the field of llama-server's /tokenize): all of it text. Chat messages are always text.
     parse_special: bool = True
     grammar: Optional[Grammar] = None  # response_format, json_schema or grammar: the output's constraint
+    # Chat: end the prompt with the assistant's opening; or continue the last message, the
+    # assistant's (a prefill: llama-server's continue_final_message, and its rule that a
+    # conversation ending with an assistant message is continued)
+    add_assistant: bool = True
+    continue_final: bool = False
+    logprobs: Optional[int] = None  # log probabilities: of each token and of the N most likely there (None: off)
 
 
 def number_field(body: dict, name: str, kind: type) -> Any:
@@ -233,10 +252,12 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> ApiRequest:
         raise ApiError(400, f"'tools' = {quoted(body['tools'])} is a chat completions field (POST /v1/chat/completions)", param="tools")
     grammar = parse_constraint(body)
     messages = prompt = prompt_ids = None
+    add_assistant, continue_final = True, False
     if kind == CHAT:
         if "messages" not in body:
             raise ApiError(400, "'messages' is required", param="messages")
         messages = parse_messages(body["messages"])
+        add_assistant, continue_final = _turn_end(body, messages)
     else:
         if "prompt" not in body:
             raise ApiError(400, "'prompt' is required", param="prompt")
@@ -277,7 +298,93 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> ApiRequest:
         kind=kind, model=model, messages=messages, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
         sampling=sampling, seed=seed, stop=parse_stop(body.get("stop")), stream=stream,
         include_usage=bool(options.get("include_usage")), parse_special=parse_special, grammar=grammar,
+        add_assistant=add_assistant, continue_final=continue_final, logprobs=parse_logprobs(body, kind),
     )
+
+
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit; each costs a look at the whole row)
+
+
+def parse_logprobs(body: dict, kind: str) -> Optional[int]:
+    """How many alternatives per token a request wants with its log probabilities, None for
+    none: chat's `logprobs` (true/false) and `top_logprobs` (0..20, which needs logprobs);
+    completions' `logprobs` (the number, 0..20)."""
+    if kind == CHAT:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise ApiError(400, f"'logprobs' must be true or false on chat completions (the number of alternatives is 'top_logprobs'), got {quoted(wanted)}", param="logprobs")
+        if body.get("top_logprobs") is None:
+            return 0 if wanted else None
+        if not wanted:
+            raise ApiError(400, "'top_logprobs' requires 'logprobs' to be set to true", param="top_logprobs")
+        name = "top_logprobs"
+    else:
+        if body.get("logprobs") is None or body["logprobs"] is False:
+            return None
+        name = "logprobs"
+    n = number_field(body, name, int) if not isinstance(body[name], bool) else -1
+    if not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"'{name}' must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {quoted(body[name])}", param=name)
+    return n
+
+
+def logprob_entry(model, entry, text: str, *, with_id: bool = False) -> dict:
+    """One token's log probabilities as OpenAI's chat shape has it (llama-server's native one
+    adds the id): `text`, the output text the token completed (so that the tokens' texts make
+    the output's), its bytes, and the alternatives (`top_logprobs`)."""
+    def one(token: int, logprob: float, shown: str) -> dict:
+        piece = model.piece(token)
+        out = {"id": token} if with_id else {}
+        out.update(token=shown, logprob=logprob, bytes=list(piece))
+        return out
+
+    top = [one(t, lp, model.piece(t).decode("utf-8", "replace")) for t, lp in entry.top]
+    return {**one(entry.token, entry.logprob, text), "top_logprobs": top}
+
+
+def logprob_texts(model, tokens: list[int]) -> list[str]:
+    """The text each token completes, in order (a character split over tokens belongs to the
+    token that ends it)."""
+    from specli.decoding.text import TextStream
+
+    stream = TextStream(model.piece)
+    return [stream.feed([t]) for t in tokens]
+
+
+def completion_logprobs(entries: list[dict], start: int = 0) -> dict:
+    """/v1/completions' logprobs: OpenAI's legacy fields (tokens, token_logprobs, top_logprobs as
+    {token: logprob}, text_offset) and llama-server's `content` list of the same entries.
+    `start`: the text offset of the first token (a streamed chunk's)."""
+    offsets, at = [], start
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries], "text_offset": offsets, "content": entries}
+
+
+def _turn_end(body: dict, messages: list[dict]) -> tuple[bool, bool]:
+    """(add_assistant, continue_final) for a chat, by llama-server's rules: add_generation_prompt
+    (default true) and continue_final_message (default false) may not both be true; a
+    conversation ending with an assistant message is continued (then two assistant messages
+    may not end it, and it may not hold tool calls)."""
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise ApiError(400, f"'{name}' must be true or false, got {quoted(body[name])}", param=name)
+    add = body.get("add_generation_prompt") is not False
+    cont = bool(body.get("continue_final_message"))
+    last_is_assistant = messages[-1]["role"] == "assistant"
+    if not cont and last_is_assistant:
+        if len(messages) >= 2 and messages[-2]["role"] == "assistant":
+            raise ApiError(400, "Cannot have 2 or more assistant messages at the end of the list.", param="messages")
+        cont, add = True, False
+    if cont and add:
+        raise ApiError(400, "Cannot set both add_generation_prompt and continue_final_message to true.", param="continue_final_message")
+    if cont and not last_is_assistant:
+        raise ApiError(400, "'continue_final_message' needs the last message to be the assistant's (the text to continue)", param="continue_final_message")
+    if cont and messages[-1].get("tool_calls"):
+        raise ApiError(400, "Cannot continue an assistant message that contains tool calls.", param="messages")
+    return add, cont
 
 
 def parse_constraint(body: dict) -> Optional[Grammar]:
@@ -363,27 +470,30 @@ def timings(stats: Stats) -> dict:
     }
 
 
-def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, extra: dict, message: Optional[dict] = None) -> dict:
+def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, extra: dict, message: Optional[dict] = None,
+                  logprobs: Optional[dict] = None) -> dict:
     """The whole (non-streamed) response; `extra`: usage, speculative, timings; `message`: the
-    chat's message when it is not the text alone (tool calls)."""
+    chat's message when it is not the text alone (tool calls); `logprobs`: the choice's."""
     if kind == CHAT:
-        choice = {"index": 0, "message": message or {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": message or {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], **extra}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice], **extra}
 
 
 def chunk(kind: str, rid: str, model: str, created: int, *, text: Optional[str] = None, role: bool = False,
-          finish_reason: Optional[str] = None, extra: Optional[dict] = None, no_choices: bool = False, delta: Optional[dict] = None) -> dict:
+          finish_reason: Optional[str] = None, extra: Optional[dict] = None, no_choices: bool = False, delta: Optional[dict] = None,
+          logprobs: Optional[dict] = None) -> dict:
     """One streamed chunk: a piece of text (or a chat's `delta`: tool calls), the chat's opening
     role, or the finish (with `extra`)."""
     if no_choices:
         choices = []
     elif kind == CHAT:
         if delta is None:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            # (the opening's content is null, as OpenAI and llama-server send it: no text yet)
+            delta = {"role": "assistant", "content": None} if role else ({"content": text} if text is not None else {})
+        choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
-        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+        choices = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
     obj = "chat.completion.chunk" if kind == CHAT else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, **(extra or {})}
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, **(extra or {})}

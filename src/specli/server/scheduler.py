@@ -42,6 +42,7 @@ from specli.session.loading import Loaded
 class Delta:
     text: str  # text released since the previous event
     tokens: tuple[int, ...] = ()  # tokens generated since the previous event
+    logprobs: tuple = ()  # their Generation.logprobs entries (when the request asked for them)
 
 
 @dataclass
@@ -434,7 +435,8 @@ class Scheduler:
                 self._finish(s)
             elif len(gen.text) > slot.sent:
                 n_tokens = released_tokens(gen)
-                _emit(slot.job, Delta(gen.text[slot.sent :], tuple(gen.token_ids[slot.sent_tokens : n_tokens])))
+                _emit(slot.job, Delta(gen.text[slot.sent :], tuple(gen.token_ids[slot.sent_tokens : n_tokens]),
+                                      tuple(gen.logprobs[slot.sent_tokens : n_tokens]) if gen.logprobs is not None else ()))
                 slot.sent, slot.sent_tokens = len(gen.text), n_tokens
 
     def _shut_down(self) -> None:
