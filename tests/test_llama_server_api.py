@@ -253,3 +253,17 @@ def test_an_over_long_prompt_names_its_size_and_the_context(server):
     err = assert_error_body(post(server, "/completion", {"prompt": "word " * (CTX + 50)}), 400)
     assert err["type"] == "exceed_context_size_error" and err["n_prompt_tokens"] > CTX
     assert math.isfinite(err["n_ctx"])
+
+
+def test_logit_bias_bans_a_token_and_ignore_eos_bans_every_end_token(server, gemma):
+    body = {"prompt": "def fibonacci(n):", "n_predict": 8, "temperature": 0, "return_tokens": True}
+    plain = post(server, "/completion", body).json()
+    first = plain["tokens"][0]
+    for bias in ({str(first): False}, [[first, False]], {str(first): -100}):
+        banned = post(server, "/completion", {**body, "logit_bias": bias}).json()
+        assert first not in banned["tokens"] and banned["tokens"] != plain["tokens"], bias
+    openai_style = server.client(KEY).completions.create(model="x", prompt=body["prompt"], max_tokens=8, temperature=0, logit_bias={str(first): -100})
+    assert openai_style.choices[0].text == post(server, "/completion", {**body, "logit_bias": {str(first): -100}}).json()["content"]
+    settings = post(server, "/completion", {**body, "ignore_eos": True, "presence_penalty": 0.5}).json()["generation_settings"]
+    assert {e["token"] for e in settings["logit_bias"]} == set(gemma.eog_tokens()) and settings["presence_penalty"] == 0.5
+    assert all(e["bias"] < -1e38 for e in settings["logit_bias"])

@@ -58,6 +58,7 @@ MAX_PARALLEL = 256
 OPTION_NAMES = {
     "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
     "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "--seed",
+    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty", "logit_bias": "logit_bias",
     "draft_length": "--draft-max", "n_ctx": "-c", "max_tokens": "--max-tokens",
     "stop": "--stop",
 }
@@ -175,7 +176,9 @@ class Sampling:
     top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set of tokens with this much probability (1 = off).")] = _SAMPLING.top_p
     min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below this fraction of the best token's probability (0 = off).")] = _SAMPLING.min_p
     repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Penalise recently seen tokens (1 = off).")] = _SAMPLING.repeat_penalty
-    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="How many recent tokens the repeat penalty looks at.")] = _SAMPLING.repeat_last_n
+    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="How many recent tokens the penalties look at.")] = _SAMPLING.repeat_last_n
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="Subtract this from the logit of each recently seen token (0 = off).")] = _SAMPLING.presence_penalty
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="Subtract this times its recent count from each token's logit (0 = off).")] = _SAMPLING.frequency_penalty
 
     def params(self, seed: int | None) -> SamplingParams:
         """The checked SamplingParams (SettingError names the first bad field)."""

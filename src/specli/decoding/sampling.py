@@ -27,8 +27,10 @@ _TOP_P_ADAPTIVE_ABOVE = 1024
 class SamplingParams:
     """How to turn logits into a token; the defaults are llama.cpp's (common/common.h).
 
-    temperature <= 0 means greedy (argmax); top_k = 0, top_p = 1, min_p = 0, repeat_penalty = 1
-    and repeat_last_n = 0 each switch their stage off. seed None draws a fresh seed.
+    temperature <= 0 means greedy (argmax); top_k = 0, top_p = 1, min_p = 0, repeat_penalty = 1,
+    frequency_penalty = presence_penalty = 0 and repeat_last_n = 0 each switch their stage off.
+    logit_bias: (token, bias) pairs added to the logits first (-inf forbids a token), ids
+    ascending, one pair a token. seed None draws a fresh seed.
     """
 
     temperature: float = 0.8
@@ -38,11 +40,19 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         """True when tokens are the argmax (no randomness, verification is exact matching)."""
         return self.temperature <= 0
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether llama.cpp's penalties stage changes anything (repeat, frequency, presence)."""
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def validate(self) -> "SamplingParams":
         """Raise SettingError naming the first out-of-range field (top_k); else self.
@@ -61,6 +71,14 @@ class SamplingParams:
             _bad("repeat_penalty", "a finite number > 0 (1 = off)", self.repeat_penalty)
         if not self.repeat_last_n >= 0:
             _bad("repeat_last_n", "an integer >= 0 (0 = off)", self.repeat_last_n)
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                _bad(name, "a finite number (0 = off)", getattr(self, name))
+        ids = [t for t, _ in self.logit_bias]
+        if any(not isinstance(t, int) or t < 0 for t in ids) or ids != sorted(set(ids)):
+            _bad("logit_bias", "(token id, bias) pairs, one per token id >= 0, ids ascending", self.logit_bias)
+        if any(math.isnan(b) or b == math.inf for _, b in self.logit_bias):
+            _bad("logit_bias", "finite biases (or -inf, which forbids a token)", self.logit_bias)
         if self.seed is not None and not self.seed >= 0:
             _bad("seed", "an integer >= 0", self.seed)
         return self
@@ -74,13 +92,20 @@ GREEDY = SamplingParams(temperature=0.0)
 JSON_FIELDS = {
     "temperature": float, "top_k": int, "top_p": float, "min_p": float,
     "repeat_penalty": float, "repeat_last_n": int, "seed": int,
+    "frequency_penalty": float, "presence_penalty": float,
 }
+
+
+def with_bias(biases: dict[int, float]) -> tuple[tuple[int, float], ...]:
+    """A {token: bias} mapping as SamplingParams.logit_bias holds it."""
+    return tuple(sorted((int(t), float(b)) for t, b in biases.items()))
 
 
 def sampling_json(sampling: SamplingParams) -> dict:
     """The sampling settings as run (greedy runs report temperature 0 and nothing random)."""
     fields = asdict(sampling)
     fields.pop("seed")
+    fields["logit_bias"] = {str(t): b for t, b in sampling.logit_bias}
     fields["greedy"] = sampling.greedy
     return fields
 
@@ -90,9 +115,9 @@ def _bad(setting: str, valid: str, value: object) -> None:
 
 
 def penalty_history(params: SamplingParams, context: Sequence[int], extra: Sequence[int] = ()) -> list[int]:
-    """The tokens the repetition penalty looks at after context + extra (empty when it is off)."""
+    """The tokens the penalties look at after context + extra (empty when they are off)."""
     n = params.repeat_last_n
-    if params.repeat_penalty == 1.0 or n == 0:
+    if not params.penalizes or n == 0:
         return []
     tail = list(context[-n:]) + list(extra)
     return tail[-n:]
@@ -175,9 +200,10 @@ def distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[i
     at the top-k boundary the lowest ids survive (llama.cpp: arbitrary); greedy ties go to the
     lowest id. Min-p is applied first on the raw logits where that provably keeps the same
     tokens (`_min_p_first`): one pass instead of a full-vocabulary top-p when top-k is off.
-    Stages off by default in llama.cpp are not implemented: logit bias and the vocabulary's
-    suppress tokens, DRY, top-n-sigma, typical-p, XTC, frequency/presence penalties, dynamic
-    temperature, mirostat, min_keep (always 0 here).
+    The logit bias (llama.cpp's logit-bias sampler, ahead of the chain) and the frequency and
+    presence penalties (in stage 1) apply where set. Stages off by default in llama.cpp are
+    not implemented: the vocabulary's suppress tokens, DRY, top-n-sigma, typical-p, XTC,
+    dynamic temperature, mirostat, min_keep (always 0 here).
     """
     row = np.asarray(logits)
     assert row.ndim == 1 and row.shape[0] > 0, row.shape
@@ -222,30 +248,60 @@ def greedy_choice(logits: np.ndarray, params: SamplingParams, history: Sequence[
 _PENALIZED_LIMIT = 1e300
 
 
-def _penalize(row: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
-    """row with the repetition penalty applied: a copy when anything changes, else row itself.
+def transforms(params: SamplingParams, context: Sequence[int]) -> bool:
+    """Whether the logits change before the choice (a logit bias, or penalties with a history):
+    greedy verification then reads each row as the chain leaves it."""
+    return bool(params.logit_bias) or bool(penalty_history(params, context))
 
-    Computed in the row's dtype (float32, as llama.cpp) unless that overflows (a penalty
-    beyond float32's range or so small that it rounds to 0 there): then in float64, the row
-    returned as float64, with values past +-_PENALIZED_LIMIT saturated (ties among them).
+
+def _penalize(row: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
+    """row with the logit bias, then the penalties applied (llama.cpp's logit-bias sampler, then
+    llama_sampler_penalties_apply): a copy when anything changes, else row itself.
+
+    Penalties: each distinct token among the last repeat_last_n of history, seen c times: a
+    logit <= 0 multiplied by repeat_penalty, a positive one divided, then c * frequency_penalty
+    + presence_penalty subtracted. Computed in the row's dtype (float32, as llama.cpp) unless
+    that overflows (a penalty beyond float32's range or so small that it rounds to 0 there):
+    then in float64, the row returned as float64, with values past +-_PENALIZED_LIMIT saturated
+    (ties among them).
     """
-    if params.repeat_penalty == 1.0 or params.repeat_last_n <= 0 or len(history) == 0:
+    if params.logit_bias:
+        row = _biased(row, params.logit_bias)
+    if not params.penalizes or params.repeat_last_n <= 0 or len(history) == 0:
         return row
-    recent = np.unique(np.asarray(history[-params.repeat_last_n :], dtype=np.int64))
+    recent, counts = np.unique(np.asarray(history[-params.repeat_last_n :], dtype=np.int64), return_counts=True)
     # llama.cpp looks candidates up in its token counts, so ids outside the vocabulary never match
-    recent = recent[(recent >= 0) & (recent < row.shape[0])]
-    penalty = params.repeat_penalty
+    inside = (recent >= 0) & (recent < row.shape[0])
+    recent, counts = recent[inside], counts[inside]
+    penalty, freq, present = params.repeat_penalty, params.frequency_penalty, params.presence_penalty
     seen = row[recent]
     with np.errstate(over="ignore", divide="ignore", invalid="ignore", under="ignore"):
-        penalized = np.where(seen <= 0, seen * penalty, seen / penalty)
-        if np.isfinite(penalized).all():
+        penalized = _penalties(seen, counts, penalty, freq, present)
+        if np.isfinite(penalized).all() or not np.isfinite(seen).all():
             out = row.copy()
             out[recent] = penalized
             return out
-        seen = seen.astype(np.float64)
-        penalized = np.where(seen <= 0, seen * penalty, seen / penalty)
+        penalized = _penalties(seen.astype(np.float64), counts, penalty, freq, present)
     out = row.astype(np.float64)
     out[recent] = np.clip(np.nan_to_num(penalized, nan=0.0), -_PENALIZED_LIMIT, _PENALIZED_LIMIT)
+    return out
+
+
+def _penalties(seen: np.ndarray, counts: np.ndarray, penalty: float, freq: float, present: float) -> np.ndarray:
+    out = seen if penalty == 1.0 else np.where(seen <= 0, seen * seen.dtype.type(penalty), seen / seen.dtype.type(penalty))
+    if freq != 0.0 or present != 0.0:
+        out = out - (counts * freq + present).astype(seen.dtype)
+    return out
+
+
+def _biased(row: np.ndarray, bias: tuple[tuple[int, float], ...]) -> np.ndarray:
+    """row + the logit bias (ids past the vocabulary ignored; -inf forbids a token)."""
+    ids = np.fromiter((t for t, _ in bias), dtype=np.int64, count=len(bias))
+    values = np.fromiter((b for _, b in bias), dtype=np.float64, count=len(bias))
+    inside = ids < row.shape[0]
+    out = row.copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        out[ids[inside]] = out[ids[inside]] + values[inside].astype(row.dtype)
     return out
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from specli.decoding.sampling import Dist, SamplingParams, distribution, penalized_row, penalty_history, sample
+from specli.decoding.sampling import Dist, SamplingParams, distribution, penalized_row, penalty_history, sample, transforms
 
 if TYPE_CHECKING:
     from specli.decoding.branches import TokenTree
@@ -68,7 +68,7 @@ def verify(
     lookup). Greedy: exact match against the argmax; sampling: rejection sampling against p; a
     tree (greedy only): the longest accepted branch. `masks`: a constraint's allowed tokens at
     each position (bitmask rows, 32 tokens an int32 word; None: unconstrained; not with a tree)."""
-    penalized = bool(penalty_history(sampling, context))  # (a penalty changes the argmax: rows see their history)
+    penalized = transforms(sampling, context)  # (a bias or a penalty changes the argmax: rows see their history)
     if tree is not None:
         assert sampling.greedy, "tree passes are greedy only"
         if not penalized:

@@ -271,6 +271,12 @@ class LlamaModel:
         """True for end-of-generation tokens (EOS, end-of-turn, ...)."""
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token of the vocabulary (a scan, once)."""
+        if getattr(self, "_eog", None) is None:
+            self._eog = tuple(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
+        return self._eog
+
     def fim_tokens(self) -> dict[str, int | None]:
         """The vocabulary's fill-in-the-middle tokens as llama.cpp finds them (from the GGUF's
         tokenizer.ggml.fim_*_token_id, else by their text: <|fim_prefix|>, <PRE>, ...): "pre",

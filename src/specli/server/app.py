@@ -81,7 +81,7 @@ class Service:
     async def _generate(self, http: HttpRequest, kind: str) -> Response:
         check_key(self.settings, http)
         body = await read_json(http)
-        req = protocol.parse_request(body, kind, self.settings.defaults)
+        req = protocol.parse_request(body, kind, self.settings.defaults, self.model)
         check_model(self.settings, req.model)
         tools = self._tools(body, req)
         prompt_ids, format_stop = await run_in_threadpool(self._prompt_ids, req, tools)

@@ -16,7 +16,6 @@ own; what they share with the OpenAI routes (checks, jobs, events, the log) is h
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from specli.decoding.generation import Request
 from specli.decoding.sampling import SamplingParams
 from specli.decoding.text import TextStream
 from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_EOS, STOP_STRING, LineLimits
-from specli.errors import SettingError, SpecliError
+from specli.errors import SpecliError
 from specli.modes import DraftMode
 from specli.server import fim, protocol
 from specli.server.handling import Settings, check_key, check_model, log_done, make_constraint, read_json, sse_event, sse_response, submit
@@ -43,9 +42,9 @@ INT32_MAX = 2**31 - 1
 # llama-server fields specli does not implement, with the values that mean "not used" (None
 # and absent are always fine).
 NEUTRAL = {
-    "n_probs": (0,), "logprobs": (0, False), "presence_penalty": (0,), "frequency_penalty": (0,), "dry_multiplier": (0,),
-    "mirostat": (0,), "typical_p": (1,), "xtc_probability": (0,), "dynatemp_range": (0,), "ignore_eos": (False,),
-    "logit_bias": ({}, []), "grammar": ("",), "json_schema": ({},), "lora": ([],), "n_cmpl": (1,), "n": (1,),
+    "n_probs": (0,), "logprobs": (0, False), "dry_multiplier": (0,),
+    "mirostat": (0,), "typical_p": (1,), "xtc_probability": (0,), "dynatemp_range": (0,),
+    "grammar": ("",), "json_schema": ({},), "lora": ([],), "n_cmpl": (1,), "n": (1,),
 }
 # Known fields accepted and not acted on (their types are still checked): specli's sampling
 # chain is fixed (llama.cpp's default order; no "infill" sampler), one slot is as good as another.
@@ -158,7 +157,7 @@ def _check_neutral(body: dict) -> None:
 MAX_N_PROBS = 100  # /completion's n_probs, at most (each costs a look at the whole row)
 
 
-def parse_completion(body: Any, defaults: SamplingParams, n_vocab: int) -> InfillRequest:
+def parse_completion(body: Any, defaults: SamplingParams, n_vocab: int, target=None) -> InfillRequest:
     """Check a /completion body (llama-server's native completion): `prompt` a text, token ids,
     or a mix of both; n_probs (or its alias logprobs); grammar or json_schema; the rest as
     /infill's."""
@@ -189,12 +188,12 @@ def parse_completion(body: Any, defaults: SamplingParams, n_vocab: int) -> Infil
         constraint.pop("grammar", None)
     grammar = protocol.parse_constraint(constraint)
     checked = {k: v for k, v in body.items() if k not in ("n_probs", "logprobs", "json_schema", "grammar")}
-    req = _parse_native(checked, defaults, n_vocab, prompt="")
+    req = _parse_native(checked, defaults, n_vocab, prompt="", target=target)
     req.content, req.n_probs, req.grammar = content, n_probs, grammar
     return req
 
 
-def parse_infill(body: Any, defaults: SamplingParams, n_vocab: int) -> InfillRequest:
+def parse_infill(body: Any, defaults: SamplingParams, n_vocab: int, target=None) -> InfillRequest:
     """Check an /infill body. `defaults`: the server's sampling (its command line)."""
     body = _object(body)
     for name in ("input_prefix", "input_suffix"):
@@ -204,12 +203,12 @@ def parse_infill(body: Any, defaults: SamplingParams, n_vocab: int) -> InfillReq
     if prompt is not None and not isinstance(prompt, str):
         raise ApiError(400, f"'prompt' must be a string (it goes after the prefix), got {quoted(prompt)}", param="prompt")
     return _parse_native(body, defaults, n_vocab, prompt=prompt or "", prefix=_mixed(body, "input_prefix", n_vocab),
-                         suffix=_mixed(body, "input_suffix", n_vocab), extra=_extra(body.get("input_extra")))
+                         suffix=_mixed(body, "input_suffix", n_vocab), extra=_extra(body.get("input_extra")), target=target)
 
 
 def _parse_native(body: dict, defaults: SamplingParams, n_vocab: int, *, prompt: str, prefix: fim.Mixed = "", suffix: fim.Mixed = "",
-                  extra: Optional[list] = None) -> InfillRequest:
-    """The fields /infill and /completion share."""
+                  extra: Optional[list] = None, target=None) -> InfillRequest:
+    """The fields /infill and /completion share (`target`: the model, for logit_bias and ignore_eos)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", param="model")
@@ -225,10 +224,7 @@ def _parse_native(body: dict, defaults: SamplingParams, n_vocab: int, *, prompt:
         if seed != -1:
             raise ApiError(400, f"'seed' must be a non-negative integer (or -1 for a fresh one), got {seed}", param="seed")
         seed = None
-    try:
-        sampling = dataclasses.replace(defaults, **fields, seed=None).validate()
-    except SettingError as err:
-        raise ApiError(400, err.worded(f"'{err.setting}'"), param=err.setting) from None
+    sampling = protocol.request_sampling(body, defaults, fields, target)
     samplers = body.get("samplers")
     if samplers is not None and not isinstance(samplers, str) and not (isinstance(samplers, list) and all(isinstance(s, str) for s in samplers)):
         raise ApiError(400, "'samplers' must be a list of sampler names or a string of sampler letters", param="samplers")
@@ -282,7 +278,10 @@ def generation_settings(sampling: SamplingParams) -> dict:
     """A sampling setting as llama-server's `params` show it (/props, /slots, /infill's
     generation_settings)."""
     return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
-            "repeat_last_n": sampling.repeat_last_n, "repeat_penalty": sampling.repeat_penalty}
+            "repeat_last_n": sampling.repeat_last_n, "repeat_penalty": sampling.repeat_penalty,
+            "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
+            # (llama-server's shape; a banned token's -inf as the lowest float, as its JSON cannot hold -inf)
+            "logit_bias": [{"bias": b if math.isfinite(b) else -3.4028234663852886e38, "token": t} for t, b in sampling.logit_bias]}
 
 
 class LlamaRoutes:
@@ -301,7 +300,7 @@ class LlamaRoutes:
         if missing:
             raise ApiError(400, f"{self.model.path.name} has no fill-in-the-middle tokens ({', '.join(missing)} missing): /infill needs a code "
                                 "model trained for it, such as Qwen2.5-Coder; send the text to /v1/completions instead", code="infill_not_supported")
-        req = parse_infill(body, self.settings.defaults, self.model.n_vocab)
+        req = parse_infill(body, self.settings.defaults, self.model.n_vocab, self.model)
         check_model(self.settings, req.model)
         prompt_ids = await run_in_threadpool(self._infill_ids, req)
         return await self._generate(http, req, prompt_ids)
@@ -310,7 +309,7 @@ class LlamaRoutes:
     async def completion(self, http: HttpRequest) -> Response:
         check_key(self.settings, http)
         body = await read_json(http)
-        req = parse_completion(body, self.settings.defaults, self.model.n_vocab)
+        req = parse_completion(body, self.settings.defaults, self.model.n_vocab, self.model)
         check_model(self.settings, req.model)
         prompt_ids = await run_in_threadpool(self._completion_ids, req)
         constraint = None if req.grammar is None else await run_in_threadpool(make_constraint, req.grammar, self.model)

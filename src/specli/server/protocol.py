@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from specli import __version__
 from specli.constraints import Grammar
-from specli.decoding.sampling import JSON_FIELDS, SamplingParams
+from specli.decoding.sampling import JSON_FIELDS, SamplingParams, with_bias
 from specli.decoding.stats import Stats
 from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_EOS, STOP_INTERRUPTED, STOP_MAX_TOKENS, STOP_STRING
 from specli.errors import SettingError, UsageError
@@ -41,7 +41,6 @@ SAMPLING_FIELDS = {name: kind for name, kind in JSON_FIELDS.items() if name != "
 # OpenAI fields specli does not implement, with the values that mean "not used".
 NEUTRAL = {
     "n": (1,), "best_of": (1,), "echo": (False,),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
     "suffix": ("",), "functions": ([],),
 }
 
@@ -240,9 +239,10 @@ def parse_stop(value: Any) -> tuple[str, ...]:
     return tuple(unicode_text(s, "stop") for s in stops)
 
 
-def parse_request(body: Any, kind: str, defaults: SamplingParams) -> ApiRequest:
+def parse_request(body: Any, kind: str, defaults: SamplingParams, target=None) -> ApiRequest:
     """Check a decoded JSON body for /v1/chat/completions (CHAT) or /v1/completions (TEXT).
-    `defaults`: the server's sampling settings (its command line), which a request overrides."""
+    `defaults`: the server's sampling settings (its command line), which a request overrides;
+    `target` (the model) resolves logit_bias and ignore_eos (None: texts and ignore_eos are refused)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, neutral in NEUTRAL.items():
@@ -281,10 +281,7 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> ApiRequest:
         if seed != -1:
             raise ApiError(400, f"'seed' must be a non-negative integer (or -1 for a fresh one), got {seed}", param="seed")
         seed = None  # llama-server's -1: a fresh seed
-    try:
-        sampling = dataclasses.replace(defaults, **fields, seed=None).validate()
-    except SettingError as err:
-        raise ApiError(400, err.worded(f"'{err.setting}'"), param=err.setting) from None
+    sampling = request_sampling(body, defaults, fields, target)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", param="stream")
@@ -300,6 +297,60 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams) -> ApiRequest:
         include_usage=bool(options.get("include_usage")), parse_special=parse_special, grammar=grammar,
         add_assistant=add_assistant, continue_final=continue_final, logprobs=parse_logprobs(body, kind),
     )
+
+
+def request_sampling(body: dict, defaults: SamplingParams, fields: dict, model) -> SamplingParams:
+    """The request's sampling: the server's defaults with the request's fields, its logit_bias
+    and ignore_eos (llama-server's: every end-of-generation token biased to -inf) on top."""
+    bias = parse_logit_bias(body.get("logit_bias"), model)
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise ApiError(400, f"'ignore_eos' must be true or false, got {quoted(ignore_eos)}", param="ignore_eos")
+    if ignore_eos:
+        if model is None:
+            raise ApiError(400, "'ignore_eos' is not supported here (leave it out)", param="ignore_eos")
+        bias.update({t: -math.inf for t in model.eog_tokens()})
+    if bias:
+        fields = {**fields, "logit_bias": with_bias({**dict(defaults.logit_bias), **bias})}
+    try:
+        return dataclasses.replace(defaults, **fields, seed=None).validate()
+    except SettingError as err:
+        raise ApiError(400, err.worded(f"'{err.setting}'"), param=err.setting) from None
+
+
+def parse_logit_bias(value: Any, model) -> dict[int, float]:
+    """`logit_bias` as OpenAI ({"token id": bias}) and llama-server ([[id or text, bias], ...], a
+    text's tokens all biased, false for -inf: the token is banned) write it, as {token: bias}
+    (a token given twice: the biases add up, as llama.cpp applies each). Refused: an id outside
+    the vocabulary, a bias that is not a finite number (or false)."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        pairs = [(p[0], p[1]) for p in value]
+    else:
+        raise ApiError(400, "'logit_bias' must be an object {\"token id\": bias} or a list of [token id or text, bias] pairs", param="logit_bias")
+    n_vocab = model.n_vocab if model is not None else None
+    out: dict[int, float] = {}
+    for key, bias in pairs:
+        if bias is False:
+            bias = -math.inf
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ApiError(400, f"'logit_bias': the bias of {quoted(key)} must be a finite number (or false to ban it), got {quoted(bias)}", param="logit_bias")
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        if isinstance(key, int) and not isinstance(key, bool):
+            if key < 0 or (n_vocab is not None and key >= n_vocab):
+                raise ApiError(400, f"'logit_bias': token id {quoted(key)} is not in the model's vocabulary (0..{(n_vocab or 1) - 1})", param="logit_bias")
+            tokens = [key]
+        elif isinstance(key, str) and model is not None:
+            tokens = model.tokenize(unicode_text(key, "logit_bias"), add_bos=False)
+        else:
+            raise ApiError(400, f"'logit_bias' keys must be token ids, got {quoted(key)}", param="logit_bias")
+        for t in tokens:
+            out[t] = out.get(t, 0.0) + float(bias)
+    return out
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit; each costs a look at the whole row)
