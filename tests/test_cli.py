@@ -117,7 +117,7 @@ def test_sampling_is_reproducible_from_the_reported_seed(pair_perturbed):
     first = json.loads(specli(*args).stdout)
     assert first["sampling"] == {
         "temperature": 1.5, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
-        "repeat_penalty": 1.0, "repeat_last_n": 64, "greedy": False,
+        "repeat_penalty": 1.0, "repeat_last_n": 64, "frequency_penalty": 0.0, "presence_penalty": 0.0, "greedy": False,
     }
     again = json.loads(specli(*args, "--seed", str(first["seed"])).stdout)
     assert again["seed"] == first["seed"] and again["token_ids"] == first["token_ids"]

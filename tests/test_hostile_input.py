@@ -343,7 +343,7 @@ def test_an_unknown_model_name_is_quoted_short_and_no_message_is_huge():
     from specli.server.handling import check_model
 
     class Settings:
-        model_id, aliases = "served", set()
+        model_id, aliases, strict_models = "served", set(), True  # (--strict-model-names: else any name is served)
 
     with pytest.raises(ApiError) as caught:
         check_model(Settings(), "m" * 10_000_000)

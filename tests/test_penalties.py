@@ -145,3 +145,22 @@ def test_sampled_with_a_penalty_and_a_bias_the_draft_model_keeps_the_targets_law
     counts = Counter(firsts)
     assert set(counts) <= {int(t) for t in p.ids}
     assert chi_square_p_value(counts, {int(t): float(q) for t, q in zip(p.ids, p.probs)}, n) > 1e-3
+
+
+def test_the_commands_take_llama_cpps_spellings(pair_perturbed):
+    import json
+
+    from fixtures.cli import assert_one_line_error, specli
+
+    target = str(pair_perturbed[0])
+    args = ("run", PROMPT, "-m", target, "--max-tokens", "12", "--temperature", "0", "--json", "-q", "--lookup")
+    plain = json.loads(specli(*args).stdout)
+    first = plain["token_ids"][0]
+    banned = json.loads(specli(*args, "-l", f"{first}-inf", "--logit-bias", f"{plain['token_ids'][1]}+0.5", "--presence-penalty", "0.4",
+                               "--frequency-penalty", "0.2").stdout)
+    assert first not in banned["token_ids"]
+    assert banned["sampling"]["logit_bias"] == {str(first): None, str(plain["token_ids"][1]): 0.5}  # (null: -inf, banned)
+    assert banned["sampling"]["presence_penalty"] == 0.4 and banned["sampling"]["frequency_penalty"] == 0.2
+    for bad in ("12", "x+1", "12+inf", "12-nan"):
+        assert_one_line_error(specli(*args, "-l", bad), 2, "--logit-bias", "TOKEN_ID+BIAS")
+    assert_one_line_error(specli(*args, "--presence-penalty", "nan"), 2, "--presence-penalty")

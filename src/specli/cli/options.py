@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import sys
 import typing
@@ -30,7 +31,7 @@ import typer
 
 from specli.constraints import Grammar
 from specli.decoding.branches import MAX_BRANCHES
-from specli.decoding.sampling import SamplingParams
+from specli.decoding.sampling import SamplingParams, with_bias
 from specli.decoding.stopping import check_stop
 from specli.errors import SettingError, SpecliError, UsageError
 from specli.files import NotRegularFile, open_regular, read_limited
@@ -58,7 +59,7 @@ MAX_PARALLEL = 256
 OPTION_NAMES = {
     "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
     "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "--seed",
-    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty", "logit_bias": "logit_bias",
+    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty", "logit_bias": "--logit-bias",
     "draft_length": "--draft-max", "n_ctx": "-c", "max_tokens": "--max-tokens",
     "stop": "--stop",
 }
@@ -179,10 +180,31 @@ class Sampling:
     repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="How many recent tokens the penalties look at.")] = _SAMPLING.repeat_last_n
     presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="Subtract this from the logit of each recently seen token (0 = off).")] = _SAMPLING.presence_penalty
     frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="Subtract this times its recent count from each token's logit (0 = off).")] = _SAMPLING.frequency_penalty
+    logit_bias: Annotated[Optional[list[str]], typer.Option("--logit-bias", "-l", help="TOKEN_ID+BIAS or TOKEN_ID-BIAS (-inf: never), added to that token's logit; repeatable.")] = None
 
     def params(self, seed: int | None) -> SamplingParams:
         """The checked SamplingParams (SettingError names the first bad field)."""
-        return SamplingParams(**dataclasses.asdict(self), seed=seed).validate()
+        fields = dataclasses.asdict(self)
+        fields["logit_bias"] = with_bias(parse_logit_bias(self.logit_bias or []))
+        return SamplingParams(**fields, seed=seed).validate()
+
+
+def parse_logit_bias(values: list[str]) -> dict[int, float]:
+    """llama.cpp's --logit-bias spellings (15043+1, 15043-0.5, 15043-inf) as {token: bias}; a
+    token given twice: the biases add up."""
+    out: dict[int, float] = {}
+    for value in values:
+        token, sign, bias = value.partition("+") if "+" in value else value.partition("-")
+        try:
+            if not sign or not token.strip().isdigit():
+                raise ValueError
+            amount = float(bias)
+            if math.isnan(amount) or (amount == math.inf and sign == "+") or amount == -math.inf:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--logit-bias {value!r}: give TOKEN_ID+BIAS or TOKEN_ID-BIAS, e.g. 15043+1 or 15043-inf") from None
+        out[int(token)] = out.get(int(token), 0.0) + (amount if sign == "+" else -amount)
+    return out
 
 
 # Single options several commands share.

@@ -105,7 +105,9 @@ def sampling_json(sampling: SamplingParams) -> dict:
     """The sampling settings as run (greedy runs report temperature 0 and nothing random)."""
     fields = asdict(sampling)
     fields.pop("seed")
-    fields["logit_bias"] = {str(t): b for t, b in sampling.logit_bias}
+    bias = fields.pop("logit_bias")
+    if bias:  # (a server request's; no command sets one)
+        fields["logit_bias"] = {str(t): b if math.isfinite(b) else None for t, b in bias}
     fields["greedy"] = sampling.greedy
     return fields
 

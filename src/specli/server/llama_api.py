@@ -42,7 +42,7 @@ INT32_MAX = 2**31 - 1
 # llama-server fields specli does not implement, with the values that mean "not used" (None
 # and absent are always fine).
 NEUTRAL = {
-    "n_probs": (0,), "logprobs": (0, False), "dry_multiplier": (0,),
+    "dry_multiplier": (0,),
     "mirostat": (0,), "typical_p": (1,), "xtc_probability": (0,), "dynatemp_range": (0,),
     "grammar": ("",), "json_schema": ({},), "lora": ([],), "n_cmpl": (1,), "n": (1,),
 }
@@ -172,24 +172,15 @@ def parse_completion(body: Any, defaults: SamplingParams, n_vocab: int, target=N
     content = _mixed({"prompt": prompt}, "prompt", n_vocab)
     if not content:
         raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
-    n_probs = 0
-    for name in ("n_probs", "logprobs"):  # (logprobs: llama-server's alias, when n_probs is not given)
-        value = body.get(name)
-        if value is not None and value is not False:
-            n_probs = _int(body, name, 0, MAX_N_PROBS)
-            break
-    if n_probs and body.get("post_sampling_probs") is True:
-        raise ApiError(400, "'post_sampling_probs' is not supported by specli: its probabilities are the model's own, before "
-                            "sampling (leave it out)", param="post_sampling_probs")
     constraint = {k: body[k] for k in ("json_schema", "grammar") if body.get(k) not in (None, "", {})}
     if body.get("json_schema") == {}:  # (llama-server's empty schema: any object)
         constraint["json_schema"] = {"type": "object"}
     if "json_schema" in constraint:  # (llama-server's precedence: json_schema over grammar)
         constraint.pop("grammar", None)
     grammar = protocol.parse_constraint(constraint)
-    checked = {k: v for k, v in body.items() if k not in ("n_probs", "logprobs", "json_schema", "grammar")}
+    checked = {k: v for k, v in body.items() if k not in ("json_schema", "grammar")}
     req = _parse_native(checked, defaults, n_vocab, prompt="", target=target)
-    req.content, req.n_probs, req.grammar = content, n_probs, grammar
+    req.content, req.grammar = content, grammar
     return req
 
 
@@ -236,12 +227,20 @@ def _parse_native(body: dict, defaults: SamplingParams, n_vocab: int, *, prompt:
     for name in IGNORED_INTS:
         _int(body, name, -1)
     t_max = _int(body, "t_max_predict_ms", -1, LARGEST_MS)
+    n_probs = 0
+    for name in ("n_probs", "logprobs"):  # (logprobs: llama-server's alias, when n_probs is not given)
+        if body.get(name) is not None and body[name] is not False:
+            n_probs = _int(body, name, 0, MAX_N_PROBS)
+            break
+    if n_probs and body.get("post_sampling_probs") is True:
+        raise ApiError(400, "'post_sampling_probs' is not supported by specli: its probabilities are the model's own, before "
+                            "sampling (leave it out)", param="post_sampling_probs")
     return InfillRequest(
         model=model, prefix=prefix, suffix=suffix, extra=extra or [], prompt=protocol.unicode_text(prompt, "prompt"),
         n_predict=n_predict, sampling=sampling, seed=seed, stop=_infill_stop(body.get("stop")), stream=_bool(body, "stream", False),
         n_indent=_int(body, "n_indent", 0) or 0, t_max_predict_ms=t_max if t_max is not None and t_max > 0 else None,
         cache_prompt=_bool(body, "cache_prompt", True), n_cache_reuse=_int(body, "n_cache_reuse", 0),
-        return_tokens=_bool(body, "return_tokens", False), response_fields=fields_wanted or None,
+        return_tokens=_bool(body, "return_tokens", False), response_fields=fields_wanted or None, n_probs=n_probs,
     )
 
 
@@ -429,8 +428,7 @@ class LlamaRoutes:
             "stopping_word": gen.stop_word, "tokens_cached": len(gen.prompt_ids) + max(0, len(gen.token_ids) - 1),
             "timings": infill_timings(gen.stats), "speculative": spec,
         }
-        if req.content is not None or req.n_probs:
-            settings["n_probs"] = req.n_probs
+        settings["n_probs"] = req.n_probs
         return body
 
     def _fim_tokens(self) -> dict:

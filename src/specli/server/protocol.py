@@ -318,6 +318,9 @@ def request_sampling(body: dict, defaults: SamplingParams, fields: dict, model) 
         raise ApiError(400, err.worded(f"'{err.setting}'"), param=err.setting) from None
 
 
+MAX_LOGIT_BIAS = 100_000  # entries (OpenAI allows 300; a whole vocabulary's worth is never needed)
+
+
 def parse_logit_bias(value: Any, model) -> dict[int, float]:
     """`logit_bias` as OpenAI ({"token id": bias}) and llama-server ([[id or text, bias], ...], a
     text's tokens all biased, false for -inf: the token is banned) write it, as {token: bias}
@@ -325,6 +328,8 @@ def parse_logit_bias(value: Any, model) -> dict[int, float]:
     the vocabulary, a bias that is not a finite number (or false)."""
     if value is None:
         return {}
+    if isinstance(value, (dict, list)) and len(value) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' = {quoted(value)} has too many entries; at most {MAX_LOGIT_BIAS:,}", param="logit_bias")
     if isinstance(value, dict):
         pairs = list(value.items())
     elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
