@@ -330,7 +330,7 @@ BASE = {"input_prefix": "a", "input_suffix": "b"}
     ({"input_extra": [{"text": "x", "filename": 3}]}, "input_extra"), ({"prompt": 5}, "prompt"), ({"n_predict": -2}, "n_predict"),
     ({"max_tokens": 1.5}, "max_tokens"), ({"n_indent": -1}, "n_indent"), ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"),
     ({"stop": [1]}, "stop"), ({"stream": "yes"}, "stream"), ({"cache_prompt": 1}, "cache_prompt"), ({"samplers": 5}, "samplers"),
-    ({"response_fields": "content"}, "response_fields"), ({"lora": [{"id": 0, "scale": 0.5}]}, "lora"), ({"n_probs": 3}, "n_probs"),
+    ({"response_fields": "content"}, "response_fields"), ({"lora": [{"id": 0, "scale": 0.5}]}, "lora"), ({"n_probs": 101}, "n_probs"),
     ({"ignore_eos": True}, "ignore_eos"), ({"t_max_predict_ms": "1s"}, "t_max_predict_ms"), ({"id_slot": "0"}, "id_slot"),
     ({"seed": -5}, "seed"), ({"n_cache_reuse": -1}, "n_cache_reuse"), ({"typical_p": True}, "typical_p"),
 ])

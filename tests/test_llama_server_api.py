@@ -267,3 +267,24 @@ def test_logit_bias_bans_a_token_and_ignore_eos_bans_every_end_token(server, gem
     settings = post(server, "/completion", {**body, "ignore_eos": True, "presence_penalty": 0.5}).json()["generation_settings"]
     assert {e["token"] for e in settings["logit_bias"]} == set(gemma.eog_tokens()) and settings["presence_penalty"] == 0.5
     assert all(e["bias"] < -1e38 for e in settings["logit_bias"])
+
+
+def test_n_choices_greedy_once_sampled_each_with_its_seed(server):
+    client = server.client(KEY)
+    one = client.completions.create(model="x", prompt="Once upon a time", max_tokens=10, temperature=0)
+    four = client.completions.create(model="x", prompt="Once upon a time", max_tokens=10, temperature=0, n=4)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3] and {c.text for c in four.choices} == {one.choices[0].text}
+    # (greedy choices are one text: computed once, so they cost one choice's passes)
+    assert four.model_extra["speculative"]["target_passes"] <= one.model_extra["speculative"]["target_passes"]
+    assert four.usage.completion_tokens == 4 * one.usage.completion_tokens and four.usage.prompt_tokens == one.usage.prompt_tokens
+    kw = dict(model="x", prompt="Once upon a time", max_tokens=10, temperature=1.0)
+    three = client.completions.create(**kw, n=3, seed=11)
+    alone = [client.completions.create(**kw, seed=11 + i).choices[0].text for i in range(3)]
+    assert [c.text for c in three.choices] == alone and len(set(alone)) > 1
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(**kw, n=3, seed=11, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == alone
+    err = assert_error_body(post(server, "/v1/completions", {"prompt": "hi", "n": 17}), 400)
+    assert err["param"] == "n"

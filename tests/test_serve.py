@@ -335,7 +335,7 @@ def _huge_body(model_id: str) -> bytes:
 REFUSALS = {
     # name: (method, path, body (dict, bytes or a callable of the model id), status, text in the message, code)
     "malformed-json": ("POST", "/v1/chat/completions", b'{"messages": [', 400, "JSON", None),
-    "n-2": ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "'n'", None),
+    "n-17": ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "'n'", None),
     "negative-temperature": ("POST", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", None),
     "max-tokens-0": ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
     "no-messages": ("POST", "/v1/chat/completions", {"max_tokens": 4}, 400, "messages", None),

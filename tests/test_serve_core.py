@@ -52,7 +52,7 @@ def test_prompt_forms_and_chat_messages():
 def test_neutral_values_of_unsupported_fields_pass_and_others_are_refused():
     body = {"prompt": "hi", "n": 1, "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "user": "u", "some_vendor_field": 1}
     assert parse_request(body, TEXT, DEFAULTS).prompt == "hi"
-    for field, value in (("n", 2), ("logprobs", True), ("best_of", 3), ("echo", True), ("tools", [{"type": "function"}])):
+    for field, value in (("n", 0), ("logprobs", True), ("best_of", 3), ("echo", True), ("tools", [{"type": "function"}])):
         err = refused({"prompt": "hi", field: value})
         assert err.status == 400 and err.param == field
 

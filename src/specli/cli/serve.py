@@ -30,7 +30,7 @@ def serve_command(
     *,
     models: Models,
     drafting: Drafting,
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; then set --api-key)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; then set --api-key); several, comma-separated."),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: any free one, printed when ready)."),
     parallel: int = typer.Option(1, "--parallel", "-np", "-P", help="Requests decoded together, their drafts verified in one target pass each step."),
     queue: int = typer.Option(DEFAULT_QUEUE, "--queue", min=0, help="Requests that may wait for a free slot; beyond them, 503."),
@@ -48,7 +48,8 @@ def serve_command(
         "new positions (llama-server's --cache-reuse; 0: off).")),
     metrics: bool = typer.Option(False, "--metrics", help="Serve Prometheus metrics at /metrics (llama-server's names, plus specli's drafting figures)."),
     slots: bool = typer.Option(False, "--slots", help="Serve each slot's state at /slots (it shows every request's generated text to whoever has the key)."),
-    alias: Optional[str] = typer.Option(None, "--alias", "-a", help="The model's name in /v1/models and responses (comma-separated: more names a request may use)."),
+    alias: Optional[str] = typer.Option(None, "--alias", "-a", help="The model's names, comma-separated (its id: the first in sorted order, as llama-server's)."),
+    tags: Optional[str] = typer.Option(None, "--tags", help="Tags listed with the model in /v1/models, comma-separated (llama-server's)."),
     strict_model_names: bool = typer.Option(False, "--strict-model-names", help="Answer 404 to a request that names another model (default: any name is this server's model, as llama-server)."),
     cors_origins: str = typer.Option("*", "--cors-origins", help="Origins browsers may call from, comma-separated ('*': any; 'localhost': only this machine's)."),
     cors_methods: str = typer.Option("GET, POST, DELETE, OPTIONS", "--cors-methods", help="Methods a CORS preflight allows."),
@@ -84,7 +85,7 @@ def serve_command(
         from specli.session.chat import check_template_name
 
         check_template_name(template)
-    sock = server_app.bind(host, port)  # a busy port fails before the slow load
+    socks = server_app.bind_all(host, port)  # a busy port fails before the slow load
     try:
         init_backend(verbose=verbose)
         the_plan = plan(choice)
@@ -92,6 +93,8 @@ def serve_command(
         try:
             settings = _settings(loaded, the_plan, models, choice, api_key, max_tokens, template, quiet, aliases=names)
             settings.strict_models = strict_model_names
+            settings.alias_list = sorted(set(names))
+            settings.tags = sorted({t.strip() for t in (tags or "").split(",") if t.strip()})
             settings.cors = Cors(cors_origins.strip(), cors_methods, cors_headers, cors_credentials)
             def save_memory(every_s: float = 0.0) -> float | None:  # (--memory persist; when idle: the scheduler's on_idle)
                 problem = loaded.save_memory(every_s=every_s)
@@ -114,7 +117,8 @@ def serve_command(
 
                 rpc.on_stall(scheduler.stalled)
                 service.on_stop.append(rpc.stop_asked)  # (a signal then does not wait for a stalled pass)
-            bound_host, bound_port = server_app.address_of(sock)
+            bound_host, bound_port = server_app.address_of(socks[0])
+            also = [server_app.address_of(s)[0] for s in socks[1:]]
 
             def ready() -> None:
                 if quiet:
@@ -126,12 +130,14 @@ def serve_command(
                 server_app.stderr_line(
                     f"specli serve: listening on http://{shown}:{bound_port} (OpenAI base URL http://{shown}:{bound_port}/v1; "
                     f"model '{settings.model_id}', {drafting_text}, --parallel {parallel}); Ctrl-C stops"
+                    + (f"; also on {', '.join(also)}" if also else "")
                 )
-                if api_key is None and not _is_loopback(bound_host):
-                    server_app.stderr_line(f"specli: warning: listening on {bound_host} without --api-key: anyone who can reach this port can use the models")
+                for listening in [bound_host, *also]:
+                    if api_key is None and not _is_loopback(listening):
+                        server_app.stderr_line(f"specli: warning: listening on {listening} without --api-key: anyone who can reach this port can use the models")
 
             try:
-                server_app.serve(service, sock, on_ready=ready, verbose=verbose)
+                server_app.serve(service, socks, on_ready=ready, verbose=verbose)
             finally:
                 scheduler.close()
                 save_memory()
@@ -142,7 +148,8 @@ def serve_command(
                 loaded.policy_path = None  # shared passes cost otherwise than one sequence's: not saved
                 loaded.close()
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
     if not quiet:
         print("specli serve: stopped", file=sys.stderr)
     return 0
@@ -162,7 +169,7 @@ def _settings(loaded, the_plan, models: Models, choice, api_key, max_tokens, tem
         if not quiet:
             print(f"specli: warning: chat requests will be refused: {problem}", file=sys.stderr)
     path = Path(the_plan.target_path)
-    model_id = aliases[0] if aliases else models.model if models.model and not _looks_like_file(models.model) else path.stem
+    model_id = min(aliases) if aliases else models.model if models.model and not _looks_like_file(models.model) else path.stem
     names = {path.name, path.stem, str(path), *aliases} | ({models.model} if models.model else set())
     log = None if quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     return Settings(

@@ -14,6 +14,7 @@ stop_asked).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -66,7 +67,7 @@ class Service:
     async def models(self, http: HttpRequest) -> Response:
         check_key(self.settings, http)
         s = self.settings
-        entry = {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "specli",
+        entry = {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "specli", "aliases": s.alias_list or [s.model_id], "tags": s.tags,
                  "meta": {"n_ctx": self.scheduler.n_ctx, "drafting": self.scheduler.mode, "draft_max": self.scheduler.draft_length.json_value,
                           "parallel": len(self.scheduler.slots)}}
         return JSONResponse({"object": "list", "data": [entry]})
@@ -90,25 +91,81 @@ class Service:
             constraint = await run_in_threadpool(self._tool_constraint, tools)
         else:
             constraint = None if req.grammar is None else await run_in_threadpool(self._constraint, req.grammar)
-        submitted = submit(self.scheduler, Request(prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=(*format_stop, *req.stop),
-                                                   constraint=constraint, logprobs=req.logprobs))
+        request = Request(prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=(*format_stop, *req.stop), constraint=constraint,
+                          logprobs=req.logprobs)
+        # n choices: greedy ones are one and the same text (the target's argmax: computed once,
+        # answered n times); sampled ones are generations of their own, with seeds seed, seed + 1, ...
+        copies = req.n if req.sampling.greedy else 1
+        jobs = [request] if copies > 1 or req.n == 1 else [
+            dataclasses.replace(request, seed=None if req.seed is None else req.seed + i) for i in range(req.n)]  # (a constraint is per sequence: Constraint.start)
+        submitted = []
+        try:
+            for job in jobs:
+                submitted.append(submit(self.scheduler, job))
+        except ApiError:
+            for other in submitted:
+                self.scheduler.cancel(other.job)
+            raise
         rid, t0 = protocol.new_id(kind), time.perf_counter()
         calls = self.settings.formatter.tool_format if tools is not None and tools.choice != NONE else None  # (parsed from the output)
         if req.stream:
-            return sse_response(submitted.stream(lambda events: self._chunks(events, req, rid, t0, http, calls)))
-        finished = await submitted.finished(http)
-        if finished is None:  # the client left: nobody to answer
-            return Response(status_code=499)
-        event, text = finished
-        self._log(http, event, t0)
-        finish = protocol.FINISH_REASONS.get(event.generation.stop_reason, "stop")
-        message = None
-        if calls is not None:
-            message, called = tool_calls.message(calls, text)
-            finish = "tool_calls" if called and finish == "stop" else finish
-        gen = event.generation
-        logprobs = None if gen.logprobs is None else self._logprobs(kind, list(gen.token_ids), gen.logprobs)
-        return JSONResponse(protocol.response_body(kind, rid, self.settings.model_id, text, finish, self._extra(event), message, logprobs))
+            streams = [sub.stream(lambda events, i=i: self._chunks(events, req, rid, t0, http, calls, index=i)) for i, sub in enumerate(submitted)]
+            return sse_response(self._sse(streams, req, rid, copies))
+        choices, extras = [], []
+        try:
+            for sub in submitted:
+                finished = await sub.finished(http)
+                if finished is None:  # the client left: nobody to answer
+                    return Response(status_code=499)
+                event, text = finished
+                self._log(http, event, t0)
+                finish = protocol.FINISH_REASONS.get(event.generation.stop_reason, "stop")
+                message = None
+                if calls is not None:
+                    message, called = tool_calls.message(calls, text)
+                    finish = "tool_calls" if called and finish == "stop" else finish
+                gen = event.generation
+                logprobs = None if gen.logprobs is None else self._logprobs(kind, list(gen.token_ids), gen.logprobs)
+                choices.append(protocol.response_body(kind, rid, self.settings.model_id, text, finish, {}, message, logprobs)["choices"][0])
+                extras.append(self._extra(event))
+        finally:
+            for sub in submitted:
+                self.scheduler.cancel(sub.job)
+        choices = [dict(choices[i % len(choices)], index=i) for i in range(req.n)]
+        body = protocol.response_body(kind, rid, self.settings.model_id, "", "stop", extras[0])
+        body["choices"] = choices
+        if req.n > 1:
+            body["usage"] = self._total_usage(extras, copies)
+        return JSONResponse(body)
+
+    @staticmethod
+    def _total_usage(extras: list[dict], copies: int) -> dict:
+        """The usage of n choices: the prompt once, every choice's tokens (a greedy choice
+        answered n times counts n times, as n choices are billed)."""
+        prompt = extras[0]["usage"]["prompt_tokens"]
+        completion = copies * sum(e["usage"]["completion_tokens"] for e in extras)
+        return protocol.usage(prompt, completion)
+
+    async def _sse(self, streams: list, req: protocol.ApiRequest, rid: str, copies: int) -> AsyncIterator[str]:
+        """The server-sent events of a request's choices: each choice's chunks as they come
+        (several: interleaved; a greedy choice answered `copies` times: each chunk once per
+        index), then the usage chunk when asked for, then [DONE]."""
+        extras: list[dict] = []
+        async for item in _merged(streams):
+            if isinstance(item, _Finished):
+                extras.append(item.extra)
+                continue
+            choices = item.get("choices")
+            if copies > 1 and choices:
+                for i in range(copies):
+                    yield sse_event({**item, "choices": [dict(choices[0], index=i)]})
+            else:
+                yield sse_event(item)
+        if req.include_usage and extras:  # usage once, in its own last chunk (as OpenAI sends it)
+            model, created = self.settings.model_id, int(time.time())
+            extra = dict(extras[0], usage=self._total_usage(extras, copies))
+            yield sse_event(protocol.chunk(req.kind, rid, model, created, no_choices=True, extra=extra))
+        yield "data: [DONE]\n\n"
 
     def _logprobs(self, kind: str, tokens: list[int], entries, texts: Optional[list[str]] = None, start: int = 0) -> dict:
         """A choice's (or a chunk's) `logprobs`: chat's {"content": [...]}, completions' legacy
@@ -118,10 +175,10 @@ class Service:
         return {"content": content, "refusal": None} if kind == CHAT else protocol.completion_logprobs(content, start)
 
     async def _chunks(self, events: AsyncIterator[Event], req: protocol.ApiRequest, rid: str, t0: float, http: HttpRequest,
-                      calls: Optional[ToolFormat] = None):
-        """The OpenAI stream of a job's events: the chat's opening role, a chunk per step (with
-        tools: content and tool-call deltas), the finish (usage in a chunk of its own when asked
-        for), then [DONE]."""
+                      calls: Optional[ToolFormat] = None, index: int = 0):
+        """The OpenAI chunks of one choice's job (choice `index`): the chat's opening role, a
+        chunk per step (with tools: content and tool-call deltas), the finish (with usage,
+        unless it goes in a chunk of its own: _sse), then a _Finished with the figures."""
         kind, model, created = req.kind, self.settings.model_id, int(time.time())
         deltas = tool_calls.ToolDeltas(calls) if calls is not None else None
         # With logprobs: the entries of the tokens not yet shown, which go with the next chunk
@@ -146,42 +203,38 @@ class Service:
 
         def pieces(text: str):
             if deltas is None:
-                return [protocol.chunk(kind, rid, model, created, text=text, logprobs=shown())]
-            out = [protocol.chunk(kind, rid, model, created, delta=d) for d in deltas.feed(text)]
+                return [protocol.chunk(kind, rid, model, created, index=index, text=text, logprobs=shown())]
+            out = [protocol.chunk(kind, rid, model, created, index=index, delta=d) for d in deltas.feed(text)]
             if out and pending:
                 out[0]["choices"][0]["logprobs"] = shown()
             return out
 
         if kind == CHAT:
-            yield sse_event(protocol.chunk(kind, rid, model, created, role=True))
+            yield (protocol.chunk(kind, rid, model, created, index=index, role=True))
         async for event in events:
             if isinstance(event, Delta):
                 n_sent += len(event.tokens)
                 take(event.tokens, event.logprobs)
                 for piece in pieces(event.text):
-                    yield sse_event(piece)
+                    yield (piece)
             elif isinstance(event, Failed):
-                yield sse_event(ApiError(event.status, event.message).body())
+                yield ApiError(event.status, event.message).body()
             else:
                 gen = event.generation
                 if gen.logprobs is not None:
                     take(gen.token_ids[n_sent:], gen.logprobs[n_sent:])
                 for piece in pieces(event.tail) if event.tail or pending else []:
-                    yield sse_event(piece)
+                    yield (piece)
                 finish = protocol.FINISH_REASONS.get(gen.stop_reason, "stop")
                 if deltas is not None:
                     for d in deltas.finish():
-                        yield sse_event(protocol.chunk(kind, rid, model, created, delta=d))
+                        yield (protocol.chunk(kind, rid, model, created, index=index, delta=d))
                     finish = "tool_calls" if deltas.ids and finish == "stop" else finish
                 extra = self._extra(event)
-                if req.include_usage:  # usage once, in its own last chunk (as OpenAI sends it)
-                    finish_extra = {k: v for k, v in extra.items() if k != "usage"}
-                    yield sse_event(protocol.chunk(kind, rid, model, created, finish_reason=finish, extra=finish_extra, logprobs=shown()))
-                    yield sse_event(protocol.chunk(kind, rid, model, created, no_choices=True, extra=extra))
-                else:
-                    yield sse_event(protocol.chunk(kind, rid, model, created, finish_reason=finish, extra=extra, logprobs=shown()))
+                finish_extra = {k: v for k, v in extra.items() if k != "usage"} if req.include_usage else extra
+                yield protocol.chunk(kind, rid, model, created, index=index, finish_reason=finish, extra=finish_extra, logprobs=shown())
+                yield _Finished(extra)
                 self._log(http, event, t0)
-        yield "data: [DONE]\n\n"
 
     # --- helpers ------------------------------------------------------------------------------------
     def _tools(self, body: dict, req: protocol.ApiRequest) -> Optional[tool_calls.ToolRequest]:
@@ -256,6 +309,46 @@ class Service:
 
     def _log(self, http: HttpRequest, event: Done, t0: float) -> None:
         log_done(self.settings, self.scheduler, http, event, t0)
+
+
+@dataclasses.dataclass
+class _Finished:
+    """The end of one choice's chunks: its usage, speculative and timings."""
+
+    extra: dict
+
+
+async def _merged(streams: list) -> AsyncIterator:
+    """The items of several async iterators as they come; each is closed when the merged one is
+    (a client that leaves cancels every choice's job)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
 
 
 # --- the app and the server -------------------------------------------------------------------------
@@ -380,6 +473,24 @@ class _QuietShutdown(logging.Filter):
 logging.getLogger("uvicorn.error").addFilter(_QuietShutdown())
 
 
+def bind_all(hosts: str, port: int) -> list[socket.socket]:
+    """A socket for each of the comma-separated hosts, all on one port (with port 0, the one the
+    first host got), as llama-server's --host takes several."""
+    names = [h.strip() for h in hosts.split(",") if h.strip()]
+    if not names:
+        raise UsageError("--host is empty; give an address such as 127.0.0.1 (several: comma-separated)")
+    socks: list[socket.socket] = []
+    try:
+        for name in names:
+            socks.append(bind(name, port))
+            port = port or address_of(socks[0])[1]
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (before the models load: a busy port fails at once)."""
     try:
@@ -425,7 +536,7 @@ class _Server(uvicorn.Server):
             self.loop.call_soon_threadsafe(self.service.scheduler.stop)
 
 
-def serve(service: Service, sock: socket.socket, *, on_ready: Callable[[], None], verbose: bool = False) -> None:
+def serve(service: Service, socks: list[socket.socket], *, on_ready: Callable[[], None], verbose: bool = False) -> None:
     """Serve until SIGINT/SIGTERM, then stop the scheduler and wait for it."""
     config = uvicorn.Config(
         make_app(service), lifespan="off", http="h11", loop="asyncio", log_level="info" if verbose else "warning",
@@ -435,7 +546,7 @@ def serve(service: Service, sock: socket.socket, *, on_ready: Callable[[], None]
     server = _Server(config, service, on_ready)
     service.scheduler.start()
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=socks)
     finally:
         service.stopping = True
         service.scheduler.stop()
@@ -443,7 +554,8 @@ def serve(service: Service, sock: socket.socket, *, on_ready: Callable[[], None]
             # Still inside a decode (a long prompt): freeing the models under it would crash.
             stderr_line("specli serve: stopped (a decode was still running; exiting without waiting for it)")
             os._exit(0)
-        sock.close()
+        for sock in socks:
+            sock.close()
     if not server.started:
         raise SpecliError("the HTTP server did not start (--verbose shows uvicorn's log)")
 

@@ -49,6 +49,8 @@ class Settings:
     slots: bool = False  # --slots: GET /slots answers
     model_path: str = ""  # for /props
     strict_models: bool = False  # --strict-model-names: a request naming another model is a 404
+    alias_list: list[str] = field(default_factory=list)  # --alias's names (/v1/models' aliases)
+    tags: list[str] = field(default_factory=list)  # --tags
     cors: Optional["Cors"] = None  # the CORS answers (None: no CORS headers at all)
 
 

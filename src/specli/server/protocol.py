@@ -40,7 +40,7 @@ LARGEST = 2**63  # integers of a request are below this in size (a seed, a token
 SAMPLING_FIELDS = {name: kind for name, kind in JSON_FIELDS.items() if name != "seed"}
 # OpenAI fields specli does not implement, with the values that mean "not used".
 NEUTRAL = {
-    "n": (1,), "best_of": (1,), "echo": (False,),
+    "best_of": (1,), "echo": (False,),
     "suffix": ("",), "functions": ([],),
 }
 
@@ -95,6 +95,7 @@ class ApiRequest:
     add_assistant: bool = True
     continue_final: bool = False
     logprobs: Optional[int] = None  # log probabilities: of each token and of the N most likely there (None: off)
+    n: int = 1  # choices
 
 
 def number_field(body: dict, name: str, kind: type) -> Any:
@@ -295,8 +296,22 @@ def parse_request(body: Any, kind: str, defaults: SamplingParams, target=None) -
         kind=kind, model=model, messages=messages, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
         sampling=sampling, seed=seed, stop=parse_stop(body.get("stop")), stream=stream,
         include_usage=bool(options.get("include_usage")), parse_special=parse_special, grammar=grammar,
-        add_assistant=add_assistant, continue_final=continue_final, logprobs=parse_logprobs(body, kind),
+        add_assistant=add_assistant, continue_final=continue_final, logprobs=parse_logprobs(body, kind), n=parse_n(body),
     )
+
+
+MAX_CHOICES = 16  # `n`, at most (each sampled choice is a generation of its own)
+
+
+def parse_n(body: dict) -> int:
+    """`n` (or llama-server's n_cmpl): how many choices, 1..MAX_CHOICES."""
+    for name in ("n", "n_cmpl"):
+        if body.get(name) is not None:
+            n = number_field(body, name, int)
+            if not 1 <= n <= MAX_CHOICES:
+                raise ApiError(400, f"'{name}' must be from 1 to {MAX_CHOICES}, got {n}", param=name)
+            return n
+    return 1
 
 
 def request_sampling(body: dict, defaults: SamplingParams, fields: dict, model) -> SamplingParams:
@@ -539,7 +554,7 @@ def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str
 
 def chunk(kind: str, rid: str, model: str, created: int, *, text: Optional[str] = None, role: bool = False,
           finish_reason: Optional[str] = None, extra: Optional[dict] = None, no_choices: bool = False, delta: Optional[dict] = None,
-          logprobs: Optional[dict] = None) -> dict:
+          logprobs: Optional[dict] = None, index: int = 0) -> dict:
     """One streamed chunk: a piece of text (or a chat's `delta`: tool calls), the chat's opening
     role, or the finish (with `extra`)."""
     if no_choices:
@@ -548,8 +563,8 @@ def chunk(kind: str, rid: str, model: str, created: int, *, text: Optional[str] 
         if delta is None:
             # (the opening's content is null, as OpenAI and llama-server send it: no text yet)
             delta = {"role": "assistant", "content": None} if role else ({"content": text} if text is not None else {})
-        choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
-        choices = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
+        choices = [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
     obj = "chat.completion.chunk" if kind == CHAT else "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, **(extra or {})}
