@@ -82,7 +82,9 @@ def test_the_native_completions_prompt_forms_and_fields():
     assert parse(prompt="hi", json_schema={}).grammar is not None  # (llama-server: any object)
     assert parse(prompt="hi", grammar="").grammar is None and parse(prompt="hi", json_schema=None).grammar is None
     assert parse(prompt="hi", grammar='root ::= "a"', json_schema={"type": "string"}).grammar.kind == "json_schema"  # (its precedence)
-    for body, param in (({}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [5000]}, "prompt"),
+    assert parse(prompt=["a", [1, 2], {"prompt_string": "b"}]).contents == ["a", [1, 2], "b"] and parse(prompt=["a"]).contents is None
+    for body, param in (({}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [5000]}, "prompt"),
+                        ({"prompt": {"prompt_string": "a", "multimodal_data": ["x"]}}, "prompt"), ({"prompt": ["a"] * 17}, "prompt"),
                         ({"prompt": "hi", "n_probs": 101}, "n_probs"), ({"prompt": "hi", "n_probs": 2, "post_sampling_probs": True}, "post_sampling_probs"),
                         ({"prompt": "hi", "grammar": "root ::= ("}, "grammar"), ({"prompt": "hi", "mirostat": 2}, "mirostat")):
         err = refused(parse_completion, body, GREEDY, 1000)
@@ -288,3 +290,15 @@ def test_n_choices_greedy_once_sampled_each_with_its_seed(server):
     assert [streamed[i] for i in range(3)] == alone
     err = assert_error_body(post(server, "/v1/completions", {"prompt": "hi", "n": 17}), 400)
     assert err["param"] == "n"
+
+
+def test_several_prompts_get_an_answer_each(server):
+    body = {"n_predict": 5, "temperature": 0}
+    alone = [post(server, "/completion", {**body, "prompt": p}).json()["content"] for p in ("def fibonacci(n):", "Once upon a time")]
+    both = post(server, "/completion", {**body, "prompt": ["def fibonacci(n):", {"prompt_string": "Once upon a time"}]}).json()
+    assert [b["index"] for b in both] == [0, 1] and [b["content"] for b in both] == alone
+    with server.http() as http, http.stream("POST", "/completion", json={**body, "prompt": ["def fibonacci(n):", "Once upon a time"], "stream": True},
+                                            headers={"X-Api-Key": KEY}) as response:
+        events = sse(response)
+    texts = ["".join(e["content"] for e in events if e["index"] == i and not e["stop"]) for i in range(2)]
+    assert texts == alone and sum(e["stop"] for e in events) == 2

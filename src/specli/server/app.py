@@ -38,7 +38,7 @@ from specli.decoding.text import TextStream
 from specli.errors import SpecliError, UsageError
 from specli.llama.conversation import encode_conversation
 from specli.server import protocol, tool_calls
-from specli.server.handling import ClientLeft, Cors, Settings, check_key, check_model, log_done, make_constraint, read_json, sse_event, sse_response, submit
+from specli.server.handling import ClientLeft, Cors, Settings, check_key, check_model, log_done, make_constraint, merged, read_json, sse_event, sse_response, submit
 from specli.server.llama_api import LlamaRoutes
 from specli.server.protocol import CHAT, TEXT, ApiError
 from specli.server.scheduler import Delta, Done, Event, Failed, Scheduler
@@ -151,7 +151,7 @@ class Service:
         (several: interleaved; a greedy choice answered `copies` times: each chunk once per
         index), then the usage chunk when asked for, then [DONE]."""
         extras: list[dict] = []
-        async for item in _merged(streams):
+        async for item in merged(streams):
             if isinstance(item, _Finished):
                 extras.append(item.extra)
                 continue
@@ -316,39 +316,6 @@ class _Finished:
     """The end of one choice's chunks: its usage, speculative and timings."""
 
     extra: dict
-
-
-async def _merged(streams: list) -> AsyncIterator:
-    """The items of several async iterators as they come; each is closed when the merged one is
-    (a client that leaves cancels every choice's job)."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(stream) -> None:
-        try:
-            async for item in stream:
-                await queue.put(item)
-        finally:
-            await queue.put(done)
-
-    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is done:
-                remaining -= 1
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            await stream.aclose()
 
 
 # --- the app and the server -------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_EOS, STOP_STRING, L
 from specli.errors import SpecliError
 from specli.modes import DraftMode
 from specli.server import fim, protocol
-from specli.server.handling import Settings, check_key, check_model, log_done, make_constraint, read_json, sse_event, sse_response, submit
+from specli.server.handling import Settings, check_key, check_model, log_done, make_constraint, merged, read_json, sse_event, sse_response, submit
 from specli.server.protocol import ApiError, quoted
 from specli.server.scheduler import Delta, Done, Event, Failed, Scheduler
 
@@ -78,6 +78,7 @@ class InfillRequest:
     return_tokens: bool
     response_fields: Optional[list[str]]
     content: Optional[fim.Mixed] = None  # /completion's prompt: a text, token ids, or a mix
+    contents: Optional[list] = None  # /completion's prompts, when given as a list of several (an answer each)
     n_probs: int = 0  # /completion: the log probabilities of each token and of the n_probs most likely there
     grammar: Optional[Grammar] = None  # /completion: grammar or json_schema
 
@@ -165,13 +166,22 @@ def parse_completion(body: Any, defaults: SamplingParams, n_vocab: int, target=N
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required (a text, a list of token ids, or a mix of both)", param="prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > 1:  # (llama-server: several prompts, an answer each)
-            raise ApiError(400, "one prompt per request; send the others as their own requests", param="prompt")
-        prompt = prompt[0]
-    content = _mixed({"prompt": prompt}, "prompt", n_vocab)
-    if not content:
-        raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
+    # llama-server's forms: a text, a {"prompt_string": text} object, a list of ids and texts
+    # (one prompt), or a list of such prompts (a list of texts is several: an answer each)
+    several = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list, dict)) for p in prompt)
+    prompts = list(prompt) if several else [prompt]
+    if len(prompts) > protocol.MAX_CHOICES:
+        raise ApiError(400, f"'prompt' holds {len(prompts):,} prompts; at most {protocol.MAX_CHOICES} in one request", param="prompt")
+    contents = []
+    for one in prompts:
+        if isinstance(one, dict):
+            if one.get("multimodal_data"):
+                raise ApiError(400, "this model takes no images or audio ('multimodal_data'): send the text alone", param="prompt")
+            one = one.get("prompt_string")
+        content = _mixed({"prompt": one}, "prompt", n_vocab)
+        if not content:
+            raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
+        contents.append(content)
     constraint = {k: body[k] for k in ("json_schema", "grammar") if body.get(k) not in (None, "", {})}
     if body.get("json_schema") == {}:  # (llama-server's empty schema: any object)
         constraint["json_schema"] = {"type": "object"}
@@ -180,7 +190,8 @@ def parse_completion(body: Any, defaults: SamplingParams, n_vocab: int, target=N
     grammar = protocol.parse_constraint(constraint)
     checked = {k: v for k, v in body.items() if k not in ("json_schema", "grammar")}
     req = _parse_native(checked, defaults, n_vocab, prompt="", target=target)
-    req.content, req.grammar = content, grammar
+    # (one result is answered as an object, as llama-server answers it)
+    req.content, req.contents, req.grammar = contents[0], contents if len(contents) > 1 else None, grammar
     return req
 
 
@@ -310,14 +321,43 @@ class LlamaRoutes:
         body = await read_json(http)
         req = parse_completion(body, self.settings.defaults, self.model.n_vocab, self.model)
         check_model(self.settings, req.model)
-        prompt_ids = await run_in_threadpool(self._completion_ids, req)
         constraint = None if req.grammar is None else await run_in_threadpool(make_constraint, req.grammar, self.model)
-        return await self._generate(http, req, prompt_ids, constraint)
+        if req.contents is None:
+            return await self._generate(http, req, await run_in_threadpool(self._completion_ids, req.content), constraint)
+        prompts = [await run_in_threadpool(self._completion_ids, content) for content in req.contents]
+        return await self._generate_each(http, req, prompts, constraint)
 
-    def _completion_ids(self, req: InfillRequest) -> list[int]:
-        """The prompt's tokens as llama-server makes them: texts with BOS first (where the model
+    async def _generate_each(self, http: HttpRequest, req: InfillRequest, prompts: list[list[int]], constraint) -> Response:
+        """Several prompts in one request, as llama-server answers them: a list of final
+        objects (each with its `index`), or one stream of every prompt's events."""
+        submitted = []
+        try:
+            for ids in prompts:
+                submitted.append(submit(self.scheduler, self._request(req, ids, constraint)))
+        except ApiError:
+            for other in submitted:
+                self.scheduler.cancel(other.job)
+            raise
+        t0 = time.perf_counter()
+        if req.stream:
+            streams = [sub.stream(lambda events, i=i, n=len(ids): self._infill_events(events, req, n, t0, http, index=i))
+                       for i, (sub, ids) in enumerate(zip(submitted, prompts))]
+            return sse_response(merged(streams))
+        bodies = []
+        try:
+            for i, sub in enumerate(submitted):
+                finished = await sub.finished(http)
+                if finished is None:
+                    return Response(status_code=499)
+                bodies.append(self._final_body(req, finished[0], http, t0, index=i))
+        finally:
+            for sub in submitted:
+                self.scheduler.cancel(sub.job)
+        return JSONResponse(bodies)
+
+    def _completion_ids(self, content: fim.Mixed) -> list[int]:
+        """A prompt's tokens as llama-server makes them: texts with BOS first (where the model
         wants one) and control text parsed, ids as they are."""
-        content = req.content
         ids = self.model.tokenize_prompt(content) if isinstance(content, str) else fim.tokenize_mixed(
             self.model, content, add_special=self.model.vocab_info().add_bos, parse_special=True)
         if not ids:
@@ -328,36 +368,42 @@ class LlamaRoutes:
                                             "server with a larger -c", param="prompt", n_prompt_tokens=len(ids), n_ctx=n_ctx)
         return ids
 
-    async def _generate(self, http: HttpRequest, req: InfillRequest, prompt_ids: list[int], constraint=None) -> Response:
-        """/infill's or /completion's generation, answered in llama-server's shapes."""
+    def _request(self, req: InfillRequest, prompt_ids: list[int], constraint=None) -> Request:
         if req.n_predict is None or req.n_predict == -1:
             max_tokens = self.settings.default_max_tokens or self.scheduler.n_ctx
         else:
             max_tokens = max(1, req.n_predict)  # (0: llama-server evaluates the prompt and returns the one token it makes)
-        submitted = submit(self.scheduler, Request(
+        return Request(
             prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=req.stop, limits=LineLimits(req.n_indent, req.t_max_predict_ms),
             fresh=not req.cache_prompt, cache_reuse=req.n_cache_reuse, constraint=constraint, logprobs=req.n_probs or None,
-        ))
+        )
+
+    async def _generate(self, http: HttpRequest, req: InfillRequest, prompt_ids: list[int], constraint=None) -> Response:
+        """/infill's or /completion's generation, answered in llama-server's shapes."""
+        submitted = submit(self.scheduler, self._request(req, prompt_ids, constraint))
         t0 = time.perf_counter()
         if req.stream:
             return sse_response(submitted.stream(lambda events: self._infill_events(events, req, len(prompt_ids), t0, http)))
         finished = await submitted.finished(http)
         if finished is None:  # the client left: nobody to answer
             return Response(status_code=499)
-        event, _ = finished
+        return JSONResponse(self._final_body(req, finished[0], http, t0))
+
+    def _final_body(self, req: InfillRequest, event: Done, http: HttpRequest, t0: float, index: int = 0) -> dict:
         log_done(self.settings, self.scheduler, http, event, t0)
         gen = event.generation
         body = self._infill_final(req, event, gen.text, list(gen.token_ids) if req.return_tokens else [])
+        body["index"] = index
         if gen.logprobs:
             body["completion_probabilities"] = self._probabilities(gen.token_ids, gen.logprobs, TextStream(self.model.piece))
-        return JSONResponse(nested_fields(req.response_fields, body) if req.response_fields else body)
+        return nested_fields(req.response_fields, body) if req.response_fields else body
 
     def _probabilities(self, tokens, entries, texts: TextStream) -> list[dict]:
         """llama-server's completion_probabilities: each token's id, text, bytes and logprob, and
         its top_logprobs."""
         return [protocol.logprob_entry(self.model, e, texts.feed([t]), with_id=True) for t, e in zip(tokens, entries)]
 
-    async def _infill_events(self, events: AsyncIterator[Event], req: InfillRequest, n_prompt: int, t0: float, http: HttpRequest):
+    async def _infill_events(self, events: AsyncIterator[Event], req: InfillRequest, n_prompt: int, t0: float, http: HttpRequest, index: int = 0):
         """llama-server's /infill and /completion stream: a `data: {...}` event per step with its
         text (its /completion partial object, with its tokens' completion_probabilities when
         asked for), then the final object with "stop": true (its text already sent); no [DONE]."""
@@ -366,7 +412,7 @@ class LlamaRoutes:
         async for event in events:
             if isinstance(event, Delta):
                 n_sent += len(event.tokens)
-                partial = self._infill_partial(event.text, list(event.tokens), n_sent, n_prompt)
+                partial = self._infill_partial(event.text, list(event.tokens), n_sent, n_prompt, index)
                 if event.logprobs:
                     partial["completion_probabilities"] = self._probabilities(event.tokens, event.logprobs, texts)
                 yield sse_event(partial)
@@ -375,11 +421,11 @@ class LlamaRoutes:
             else:
                 gen = event.generation
                 if event.tail or gen.token_ids[n_sent:]:
-                    partial = self._infill_partial(event.tail, gen.token_ids[n_sent:], len(gen.token_ids), n_prompt)
+                    partial = self._infill_partial(event.tail, gen.token_ids[n_sent:], len(gen.token_ids), n_prompt, index)
                     if gen.logprobs and gen.logprobs[n_sent:]:
                         partial["completion_probabilities"] = self._probabilities(gen.token_ids[n_sent:], gen.logprobs[n_sent:], texts)
                     yield sse_event(partial)
-                final = self._infill_final(req, event, "", [])
+                final = dict(self._infill_final(req, event, "", []), index=index)
                 yield sse_event(nested_fields(req.response_fields, final) if req.response_fields else final)
                 log_done(self.settings, self.scheduler, http, event, t0)
 
@@ -407,8 +453,8 @@ class LlamaRoutes:
             )
         return ids
 
-    def _infill_partial(self, text: str, tokens: list[int], n_decoded: int, n_prompt: int) -> dict:
-        return {"index": 0, "content": text, "tokens": tokens, "stop": False, "id_slot": -1, "tokens_predicted": n_decoded, "tokens_evaluated": n_prompt}
+    def _infill_partial(self, text: str, tokens: list[int], n_decoded: int, n_prompt: int, index: int = 0) -> dict:
+        return {"index": index, "content": text, "tokens": tokens, "stop": False, "id_slot": -1, "tokens_predicted": n_decoded, "tokens_evaluated": n_prompt}
 
     def _infill_final(self, req: InfillRequest, event: Done, content: str, tokens: list[int]) -> dict:
         gen = event.generation
