@@ -99,6 +99,10 @@ def specli(argv: list[str]) -> list[str]:
         out += ["-n", n_predict]
     if "--chat-template" in values:
         out += ["--template", values["--chat-template"]]
+    if "--chat-template-file" in values:
+        out += ["--chat-template-file", values["--chat-template-file"]]
+    if values.get("--reasoning") in ("on", "off", "auto"):
+        out += ["--reasoning", values["--reasoning"]]
     for switch in ("--metrics", "--slots"):
         if switch in switches:
             out.append(switch)

@@ -302,3 +302,36 @@ def test_several_prompts_get_an_answer_each(server):
         events = sse(response)
     texts = ["".join(e["content"] for e in events if e["index"] == i and not e["stop"]) for i in range(2)]
     assert texts == alone and sum(e["stop"] for e in events) == 2
+
+
+TEMPLATE = """{%- if tools %}<tools>{{ tools | tojson }}</tools>{% endif -%}
+{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif -%}"""
+
+
+def test_a_template_file_with_reasoning_off_and_apply_template_as_llama_server(gemma_path, tmp_path):
+    template = tmp_path / "chatml-thinking.jinja"
+    template.write_text(TEMPLATE)
+    with serving(gemma_path, tmp_path, "--chat-template-file", str(template), "--reasoning", "off") as srv:
+        def apply(**body):
+            response = post(srv, "/apply-template", body, headers={})
+            assert response.status_code == 200, response.text
+            return response.json()["prompt"]
+
+        user = {"role": "user", "content": "What is today?"}
+        assert apply(messages=[user]) == "<|im_start|>user\nWhat is today?<|im_end|>\n<|im_start|>assistant\n<think></think>"
+        assert apply(messages=[user], add_generation_prompt=False) == "<|im_start|>user\nWhat is today?<|im_end|>\n"
+        assert apply(messages=[user, {"role": "assistant", "content": "It is"}]).endswith("<|im_start|>assistant\nIt is")
+        tool = {"type": "function", "function": {"name": "today", "parameters": {"type": "object", "properties": {}}}}
+        assert apply(messages=[user], tools=[tool]).startswith('<tools>[{"type": "function"')
+        reply = srv.client().chat.completions.create(model="x", messages=[user], max_tokens=2, temperature=0)
+        assert reply.usage.prompt_tokens == len(gemma_tokens(srv, apply(messages=[user])))
+    from fixtures.cli import assert_one_line_error, specli
+
+    missing = specli("serve", "-m", str(gemma_path), "--port", "0", "--chat-template-file", str(tmp_path / "missing.jinja"))
+    assert_one_line_error(missing, 2, "--chat-template-file", "no such file")
+    assert_one_line_error(specli("serve", "-m", str(gemma_path), "--port", "0", "--reasoning", "maybe"), 2, "--reasoning")
+
+
+def gemma_tokens(srv, text: str) -> list[int]:
+    return post(srv, "/tokenize", {"content": text, "add_special": True}, headers={}).json()["tokens"]

@@ -50,6 +50,8 @@ def serve_command(
     slots: bool = typer.Option(False, "--slots", help="Serve each slot's state at /slots (it shows every request's generated text to whoever has the key)."),
     alias: Optional[str] = typer.Option(None, "--alias", "-a", help="The model's names, comma-separated (its id: the first in sorted order, as llama-server's)."),
     tags: Optional[str] = typer.Option(None, "--tags", help="Tags listed with the model in /v1/models, comma-separated (llama-server's)."),
+    chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="A Jinja chat template file for chat requests, instead of the model's own (llama-server's)."),
+    reasoning: str = typer.Option("auto", "--reasoning", "-rea", help="on / off: the template's enable_thinking (llama-server's); auto: the template's default."),
     strict_model_names: bool = typer.Option(False, "--strict-model-names", help="Answer 404 to a request that names another model (default: any name is this server's model, as llama-server)."),
     cors_origins: str = typer.Option("*", "--cors-origins", help="Origins browsers may call from, comma-separated ('*': any; 'localhost': only this machine's)."),
     cors_methods: str = typer.Option("GET, POST, DELETE, OPTIONS", "--cors-methods", help="Methods a CORS preflight allows."),
@@ -74,6 +76,13 @@ def serve_command(
     from specli.server.scheduler import Scheduler
     from specli.session.loading import plan
 
+    if reasoning not in ("on", "off", "auto"):
+        raise UsageError(f"--reasoning {reasoning!r}: give on, off or auto")
+    if chat_template_file is not None and template is not None:
+        raise UsageError("--template and --chat-template-file both choose the chat template; give one of them")
+    from specli.cli.options import _read_text_file
+
+    template_source = _read_text_file(chat_template_file, "--chat-template-file") if chat_template_file is not None else None
     names = [name.strip() for name in alias.split(",") if name.strip()] if alias is not None else []
     if alias is not None and not names:
         raise UsageError("--alias is empty; give the model's name (or several, comma-separated), or leave it out")
@@ -91,7 +100,10 @@ def serve_command(
         the_plan = plan(choice)
         loaded = load_models(the_plan, choice, quiet=quiet, verbose=verbose)
         try:
-            settings = _settings(loaded, the_plan, models, choice, api_key, max_tokens, template, quiet, aliases=names)
+            settings = _settings(loaded, the_plan, models, choice, api_key, max_tokens, template, quiet, aliases=names,
+                                 template_file=(chat_template_file, template_source) if template_source is not None else None)
+            if settings.formatter is not None and reasoning != "auto":
+                settings.formatter.variables["enable_thinking"] = reasoning == "on"
             settings.strict_models = strict_model_names
             settings.alias_list = sorted(set(names))
             settings.tags = sorted({t.strip() for t in (tags or "").split(",") if t.strip()})
@@ -155,13 +167,13 @@ def serve_command(
     return 0
 
 
-def _settings(loaded, the_plan, models: Models, choice, api_key, max_tokens, template, quiet, aliases: list[str]):
+def _settings(loaded, the_plan, models: Models, choice, api_key, max_tokens, template, quiet, aliases: list[str], template_file=None):
     from specli.server.app import Settings
     from specli.session.chat import choose_formatter
 
     formatter, problem = None, None
     try:
-        formatter, notice = choose_formatter(loaded.model_tgt, template)
+        formatter, notice = choose_formatter(loaded.model_tgt, template, source=template_file)
         if notice and not quiet:
             print(notice, file=sys.stderr)
     except UsageError as err:  # completions still work; chat requests get this reason

@@ -55,8 +55,7 @@ def encode_conversation(model: LlamaModel, formatter: ChatFormat, system: Option
         if any(_holds_control_text(model, c) for c in contents):
             raise UsageError("a message holds the text of one of the model's control tokens, which a continued assistant message "
                              "cannot keep apart from the template's own; remove it")
-        text = formatter.render(system, messages, add_assistant=False, **({"tools": tools} if tools else {}))
-        return encode(model, _cut_after(text, messages[-1]["content"], formatter.name))
+        return encode(model, render_conversation(formatter, system, messages, tools=tools, continue_final=True))
     if continue_final:  # (nothing to continue: the assistant's turn opens as for a new reply)
         messages, add_assistant = messages[:-1], True
     text = formatter.render(system, messages, add_assistant=add_assistant, **({"tools": tools} if tools else {}))
@@ -99,7 +98,19 @@ def encode_conversation(model: LlamaModel, formatter: ChatFormat, system: Option
 _C_SPACE = " \t\n\v\f\r"  # what C's isspace() takes, as llama.cpp strips
 
 
-def _cut_after(text: str, content: str, name: str) -> str:
+def render_conversation(formatter: ChatFormat, system: Optional[str], messages: list[dict], *, tools: Optional[list[dict]] = None,
+                        add_assistant: bool = True, continue_final: bool = False) -> str:
+    """The conversation's text as encode_conversation encodes it (continue_final: up to the end of
+    the last message's text; with no text, the assistant's turn opened as for a new reply)."""
+    given = {"tools": tools} if tools else {}
+    if continue_final and messages[-1]["content"].strip():
+        return cut_after(formatter.render(system, messages, add_assistant=False, **given), messages[-1]["content"], formatter.name)
+    if continue_final:
+        messages, add_assistant = messages[:-1], True
+    return formatter.render(system, messages, add_assistant=add_assistant, **given)
+
+
+def cut_after(text: str, content: str, name: str) -> str:
     """`text` up to the end of its last copy of `content` (the final message, which the reply
     continues), as it is or as the template trimmed it."""
     for kept in dict.fromkeys((content, content.rstrip(), content.strip())):

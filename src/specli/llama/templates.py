@@ -249,18 +249,20 @@ class JinjaTemplate:
         except Exception as err:  # anything else the compiler refuses
             raise TemplateRenderError(f"it does not compile: {type(err).__name__}: {err}") from None
 
-    def render(self, messages: Sequence[tuple[str, str] | dict], *, add_assistant: bool = True, tools: Optional[list[dict]] = None) -> str:
+    def render(self, messages: Sequence[tuple[str, str] | dict], *, add_assistant: bool = True, tools: Optional[list[dict]] = None,
+               variables: Optional[dict] = None) -> str:
         """The messages ((role, content), or OpenAI's message objects: a tool call's arguments
         as an object) as text, ending with the opening of the assistant's turn when
         add_assistant; `tools`: OpenAI's tool objects, for a template that renders them. Raises
         TemplateRenderError for whatever stops the template, and for a template that runs past
         RENDER_SECONDS or writes past RENDER_GROWTH times what it was given (a template is code:
-        it may loop for ever, or build a gigabyte)."""
+        it may loop for ever, or build a gigabyte). `variables`: more of the template's inputs
+        (llama-server's template kwargs, such as enable_thinking)."""
         messages = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
         given = sum(len(str(m.get("content") or "")) + len(json.dumps(m.get("tool_calls") or "", default=str)) + 256 for m in messages)
         given += len(json.dumps(tools or "", default=str))
         limit = RENDER_GROWTH * (given + 4096)  # (room for each turn's scaffolding)
-        extra = {"tools": tools} if tools else {}
+        extra = {**(variables or {}), **({"tools": tools} if tools else {})}
         try:
             with _deadline(RENDER_SECONDS, RENDER_MEMORY):
                 out, size = [], 0

@@ -33,7 +33,8 @@ from specli.decoding.text import TextStream
 from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_EOS, STOP_STRING, LineLimits
 from specli.errors import SpecliError
 from specli.modes import DraftMode
-from specli.server import fim, protocol
+from specli.llama.conversation import render_conversation
+from specli.server import fim, protocol, tool_calls
 from specli.server.handling import Settings, check_key, check_model, log_done, make_constraint, merged, read_json, sse_event, sse_response, submit
 from specli.server.protocol import ApiError, quoted
 from specli.server.scheduler import Delta, Done, Event, Failed, Scheduler
@@ -535,11 +536,14 @@ class LlamaRoutes:
         body = _object(await read_json(http))
         if "messages" not in body:
             raise ApiError(400, "'messages' is required", param="messages")
-        messages = protocol.parse_messages(body["messages"])
+        req = protocol.parse_request({**body, "tools": None, "tool_choice": None}, protocol.CHAT, self.settings.defaults)
+        tools = tool_calls.parse_tools(body) if body.get("tools") else None
         if self.settings.chat_problem:
             raise ApiError(400, self.settings.chat_problem, param="messages")
         try:
-            text = await run_in_threadpool(self.settings.formatter.render, None, messages)
+            text = await run_in_threadpool(lambda: render_conversation(
+                self.settings.formatter, None, req.messages, tools=tools.given if tools is not None else None,
+                add_assistant=req.add_assistant, continue_final=req.continue_final))
         except SpecliError as err:
             raise ApiError(400, str(err), param="messages") from None
         return JSONResponse({"prompt": text})

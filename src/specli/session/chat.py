@@ -15,6 +15,7 @@ import errno
 import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, TextIO
 
 from specli.constraints.tools import ToolFormat, tool_format
@@ -62,6 +63,7 @@ class Formatter:
     name: str
     jinja: Optional[JinjaTemplate] = None
     owner: str = "the model"
+    variables: dict = field(default_factory=dict)  # more inputs of a Jinja template (serve --reasoning: enable_thinking)
 
     def render(self, system: Optional[str], messages: list[dict], *, add_assistant: bool = True, tools: Optional[list[dict]] = None) -> str:
         """The conversation as text, ending with the assistant's opening when add_assistant.
@@ -71,7 +73,7 @@ class Formatter:
         if self.jinja is not None:
             try:
                 return self.jinja.render(([{"role": "system", "content": system}] if system else []) + list(messages),
-                                         add_assistant=add_assistant, tools=tools)
+                                         add_assistant=add_assistant, tools=tools, variables=self.variables)
             except TemplateRenderError as err:
                 raise template_error(self.owner, err) from None
         if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
@@ -112,7 +114,7 @@ def render_plain(pairs: list[tuple[str, str]], *, add_assistant: bool) -> str:
     return "".join(parts)
 
 
-def choose_formatter(model: LlamaModel, template_name: Optional[str]) -> tuple[Formatter, Optional[str]]:
+def choose_formatter(model: LlamaModel, template_name: Optional[str], *, source: Optional[tuple[str, str]] = None) -> tuple[Formatter, Optional[str]]:
     """The formatter for this session and a one-line notice (or None): the one choice that
     `chat`, and `run`/`batch` with --chat, make.
 
@@ -126,6 +128,8 @@ def choose_formatter(model: LlamaModel, template_name: Optional[str]) -> tuple[F
         return Formatter(template_name, template_name), None
     own = model.chat_template()
     owner = model.path.name
+    if source is not None:  # (serve --chat-template-file: (its path, its text), rendered as the model's own would be)
+        owner, own = Path(source[0]).name, source[1]
     if own is None:
         return Formatter(None, PLAIN), (
             f"note: {owner} has no chat template; using plain 'User:/Assistant:' turns "
