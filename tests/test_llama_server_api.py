@@ -335,3 +335,14 @@ def test_a_template_file_with_reasoning_off_and_apply_template_as_llama_server(g
 
 def gemma_tokens(srv, text: str) -> list[int]:
     return post(srv, "/tokenize", {"content": text, "add_special": True}, headers={}).json()["tokens"]
+
+
+def test_verbose_echoes_the_prompt_and_input_tokens_counts_it(server, gemma):
+    messages = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+    plain = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2}).json()
+    assert "__verbose" not in plain
+    verbose = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "verbose": True}).json()
+    assert "Book" in verbose["__verbose"]["prompt"] and verbose["__verbose"]["tokens_evaluated"] == verbose["usage"]["prompt_tokens"]
+    counted = post(server, "/chat/completions/input_tokens", {"messages": messages}).json()
+    assert counted == {"input_tokens": verbose["usage"]["prompt_tokens"]}
+    assert assert_error_body(post(server, "/v1/chat/completions", {"messages": messages, "verbose": "yes"}), 400)["param"] == "verbose"

@@ -81,8 +81,10 @@ class Service:
     # --- a generation -------------------------------------------------------------------------------
     async def _generate(self, http: HttpRequest, kind: str) -> Response:
         check_key(self.settings, http)
-        body = await read_json(http)
+        body = body_fields = await read_json(http)
         req = protocol.parse_request(body, kind, self.settings.defaults, self.model)
+        if body.get("verbose") is not None and not isinstance(body["verbose"], bool):
+            raise ApiError(400, f"'verbose' must be true or false, got {protocol.quoted(body['verbose'])}", param="verbose")
         check_model(self.settings, req.model)
         tools = self._tools(body, req)
         prompt_ids, format_stop = await run_in_threadpool(self._prompt_ids, req, tools)
@@ -133,10 +135,30 @@ class Service:
                 self.scheduler.cancel(sub.job)
         choices = [dict(choices[i % len(choices)], index=i) for i in range(req.n)]
         body = protocol.response_body(kind, rid, self.settings.model_id, "", "stop", extras[0])
+        if body_fields.get("verbose") is True:  # (llama-server's debugging echo: the prompt as evaluated, and the reply)
+            body["__verbose"] = self._verbose(event)
         body["choices"] = choices
         if req.n > 1:
             body["usage"] = self._total_usage(extras, copies)
         return JSONResponse(body)
+
+    def _verbose(self, event: Done) -> dict:
+        """llama-server's `__verbose`: its native completion object for this reply (the prompt as
+        evaluated, control tokens as their text)."""
+        gen = event.generation
+        return {"content": gen.text, "prompt": self.llama.prompt_text(gen.prompt_ids), "tokens_predicted": len(gen.token_ids),
+                "tokens_evaluated": len(gen.prompt_ids), "stop_type": protocol.STOP_TYPES.get(gen.stop_reason, "limit"),
+                "stopping_word": gen.stop_word, "timings": protocol.timings(gen.stats)}
+
+    async def input_tokens(self, http: HttpRequest) -> Response:
+        """llama-server's POST /chat/completions/input_tokens: how many tokens the conversation's
+        prompt takes (rendered and checked as a chat completion's)."""
+        check_key(self.settings, http)
+        body = await read_json(http)
+        req = protocol.parse_request(body, CHAT, self.settings.defaults, self.model)
+        tools = self._tools(body, req)
+        ids, _ = await run_in_threadpool(self._prompt_ids, req, tools)
+        return JSONResponse({"input_tokens": len(ids)})
 
     @staticmethod
     def _total_usage(extras: list[dict], copies: int) -> dict:
@@ -343,6 +365,8 @@ def make_app(service: Service):
         # llama-server's and some clients' spellings without the version
         Route("/models", service.models, methods=["GET"]),
         Route("/chat/completions", service.chat, methods=["POST"]),
+        Route("/chat/completions/input_tokens", service.input_tokens, methods=["POST"]),
+        Route("/v1/chat/completions/input_tokens", service.input_tokens, methods=["POST"]),
         # llama-server's own (llama_api.py); /completions without the version is its native one, as llama-server routes it
         Route("/completion", service.llama.completion, methods=["POST"]),
         Route("/completions", service.llama.completion, methods=["POST"]),

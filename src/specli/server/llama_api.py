@@ -30,7 +30,7 @@ from specli.constraints import Grammar
 from specli.decoding.generation import Request
 from specli.decoding.sampling import SamplingParams
 from specli.decoding.text import TextStream
-from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_EOS, STOP_STRING, LineLimits
+from specli.decoding.stopping import STOP_CONTEXT_FULL, LineLimits
 from specli.errors import SpecliError
 from specli.modes import DraftMode
 from specli.llama.conversation import render_conversation
@@ -52,7 +52,7 @@ NEUTRAL = {
 IGNORED_BOOLS = ("timings_per_token", "return_progress", "verbose", "post_sampling_probs")
 IGNORED_INTS = ("id_slot", "n_keep", "n_discard")  # (n_keep, n_discard: context shifting, which specli does not do)
 LARGEST_MS = 2**53  # (a JSON number any client writes exactly)
-STOP_TYPES = {STOP_EOS: "eos", STOP_STRING: "word"}  # every other reason is llama-server's "limit"
+STOP_TYPES = protocol.STOP_TYPES
 NOT_SUPPORTED = "not_supported_error"
 FIM_PRESET_CTX = 4096  # the -c of llama-server's FIM presets (--fim-qwen-1.5b-default, ...): /infill's prefix and suffix fit with room
 
@@ -482,6 +482,10 @@ class LlamaRoutes:
         if self._fim is None:
             self._fim = self.model.fim_tokens()
         return self._fim
+
+    def prompt_text(self, tokens: list[int]) -> str:
+        """A prompt's text with its control tokens as their text (llama-server's `prompt` field)."""
+        return pieces_text([self._special_piece(t) for t in tokens])
 
     def _special_piece(self, token: int) -> bytes:
         """The model's text of a token, control tokens included (cached: a prompt of a few

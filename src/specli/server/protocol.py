@@ -501,6 +501,8 @@ def parse_constraint(body: dict) -> Optional[Grammar]:
 
 
 # --- responses ------------------------------------------------------------------------------------
+STOP_TYPES = {STOP_EOS: "eos", STOP_STRING: "word"}  # llama-server's stop_type; every other reason is its "limit"
+
 FINISH_REASONS = {
     STOP_EOS: "stop", STOP_STRING: "stop", STOP_MAX_TOKENS: "length", STOP_CONTEXT_FULL: "length",
     STOP_INTERRUPTED: "length",  # the server is shutting down: the text is cut short
