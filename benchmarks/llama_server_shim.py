@@ -103,7 +103,7 @@ def specli(argv: list[str]) -> list[str]:
         out += ["--chat-template-file", values["--chat-template-file"]]
     if values.get("--reasoning") in ("on", "off", "auto"):
         out += ["--reasoning", values["--reasoning"]]
-    for switch in ("--metrics", "--slots"):
+    for switch in ("--metrics", "--slots", "--verbose"):
         if switch in switches:
             out.append(switch)
     return out

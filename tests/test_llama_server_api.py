@@ -346,3 +346,16 @@ def test_verbose_echoes_the_prompt_and_input_tokens_counts_it(server, gemma):
     counted = post(server, "/chat/completions/input_tokens", {"messages": messages}).json()
     assert counted == {"input_tokens": verbose["usage"]["prompt_tokens"]}
     assert assert_error_body(post(server, "/v1/chat/completions", {"messages": messages, "verbose": "yes"}), 400)["param"] == "verbose"
+
+
+def test_post_sampling_probs_are_the_chains_and_identical_greedy_prompts_one_answer(server, gemma):
+    body = {"prompt": "Today was the day. Today I would finally become a", "n_probs": 10, "temperature": 1.0, "n_predict": 5,
+            "post_sampling_probs": True, "top_k": 8, "seed": 3}
+    entries = post(server, "/completion", body).json()["completion_probabilities"]
+    assert len(entries) == 5
+    for e in entries:
+        assert 0 < e["prob"] <= 1 and "logprob" not in e and 0 < len(e["top_probs"]) <= 8  # (top_k 8: the chain keeps 8 at most)
+        assert sum(a["prob"] for a in e["top_probs"]) == pytest.approx(1.0) and e["prob"] in [a["prob"] for a in e["top_probs"]]
+    ids = gemma.tokenize_prompt("def fibonacci(n):")
+    both = post(server, "/completion", {"prompt": [ids, "def fibonacci(n):"], "n_predict": 12, "temperature": 0}).json()
+    assert both[0]["content"] == both[1]["content"] and [b["index"] for b in both] == [0, 1]

@@ -186,3 +186,25 @@ def test_on_the_real_pair_drafted_logprobs_are_plain_decodings_within_the_margin
         assert np.median(diffs) <= 1e-3 and diffs.max() <= 0.5
     finally:
         target.close(), draft.close()
+
+
+def test_post_sampling_entries_are_the_chains_distribution_along_the_text(perturbed):
+    from specli.decoding.sampling import distribution, penalty_history
+
+    target, draft = perturbed
+    sampling = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.0, presence_penalty=0.5)
+    ids = target.tokenize(PROMPTS[1])
+    gen = generate(SpeculativeDecoder(target, DraftModelDrafter(draft), 4, sampling),
+                   Request(ids, MAX_TOKENS, sampling, seed=5, logprobs=N_TOP, post_sampling=True)).run()
+    assert gen.stats.accepted > 0
+    target.reset()
+    target.eval(ids[:-1], logits="none")
+    previous = ids[-1]
+    for j, (entry, token) in enumerate(zip(gen.logprobs, gen.token_ids)):
+        row = target.eval([previous], logits="last")[-1]
+        p = distribution(row, sampling, penalty_history(sampling, ids + gen.token_ids[:j]))
+        assert entry.token == token and math.exp(entry.logprob) == pytest.approx(p[token], abs=1e-4)
+        best = sorted(((float(q), int(t)) for t, q in zip(p.ids, p.probs)), key=lambda x: (-x[0], x[1]))[:N_TOP]
+        assert [t for t, _ in entry.top] == [t for _, t in best]
+        previous = token
+    target.reset()

@@ -104,7 +104,7 @@ def serve_command(
                                  template_file=(chat_template_file, template_source) if template_source is not None else None)
             if settings.formatter is not None and reasoning != "auto":
                 settings.formatter.variables["enable_thinking"] = reasoning == "on"
-            settings.strict_models = strict_model_names
+            settings.strict_models, settings.verbose = strict_model_names, verbose
             settings.alias_list = sorted(set(names))
             settings.tags = sorted({t.strip() for t in (tags or "").split(",") if t.strip()})
             settings.cors = Cors(cors_origins.strip(), cors_methods, cors_headers, cors_credentials)

@@ -36,6 +36,7 @@ class Request:
     # Log probabilities of each emitted token and of the `logprobs` most likely ones at its place,
     # from the target's own row (Generation.logprobs); None: not computed.
     logprobs: int | None = None
+    post_sampling: bool = False  # logprobs of the sampling chain's distribution (llama-server's post_sampling_probs), not the raw logits'
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", list(self.prompt_ids))
@@ -67,6 +68,19 @@ def token_logprobs(row, token: int, n_top: int) -> TokenLogprob:
         ids = ids[np.lexsort((ids, -logits[ids]))]  # most likely first, ties to the lower id
         top = tuple((int(t), float(logits[t] - log_total)) for t in ids)
     return TokenLogprob(int(token), float(logits[token] - log_total), top)
+
+
+def sampled_logprobs(row, token: int, n_top: int, sampling, history) -> TokenLogprob:
+    """`token`'s entry from the distribution the sampling chain makes of `row` (temperature,
+    top-k, top-p, min-p, penalties, bias: llama-server's post_sampling_probs): the kept tokens
+    only, most likely first (ties to the lower id)."""
+    from specli.decoding.sampling import distribution
+
+    dist = distribution(row, sampling, history)
+    order = np.lexsort((dist.ids, -dist.probs))[:n_top]
+    top = tuple((int(dist.ids[k]), math.log(float(dist.probs[k]))) for k in order if dist.probs[k] > 0)
+    p = dist[int(token)]
+    return TokenLogprob(int(token), math.log(p) if p > 0 else -math.inf, top)
 
 
 @dataclass

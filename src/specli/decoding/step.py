@@ -19,13 +19,13 @@ import numpy as np
 
 from specli.decoding.branches import TokenTree
 from specli.decoding.drafters import Drafter, Proposal
-from specli.decoding.generation import Generation, Request, Step, token_logprobs
+from specli.decoding.generation import Generation, Request, Step, sampled_logprobs, token_logprobs
 from specli.decoding.memory_drafter import BRANCH_SOURCE, shared_prefix
 from specli.decoding.policy import FIXED, AdaptivePolicy, DraftJudge, StepReport
-from specli.decoding.sampling import GREEDY, SamplingParams, make_rng
+from specli.decoding.sampling import GREEDY, SamplingParams, make_rng, penalty_history
 from specli.decoding.stopping import STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS
 from specli.decoding.text import TextStream
-from specli.decoding.verifier import verify
+from specli.decoding.verifier import masked, verify
 from specli.errors import SettingError, UsageError
 from specli.llama.context import SequenceView
 from specli.llama.model import LlamaModel, common_prefix_len, fill_cache
@@ -377,7 +377,13 @@ class SequenceStep:
             # Each emitted token's row of this pass: the row it was verified (or chosen) on, so
             # an accepted draft's logprob is the target's own, as plain decoding reports it.
             at = range(len(verdict.tokens)) if tree is None else [0, *(1 + i for i in tree.paths[verdict.branch][: verdict.n_accepted])]
-            logprobs = [token_logprobs(rows[i], t, self.request.logprobs) for i, t in zip(at, verdict.tokens)]
+            n_top = self.request.logprobs
+            if self.request.post_sampling:  # (the chain's distribution at each place, as verification saw it: masked, penalised)
+                logprobs = [sampled_logprobs(rows[i] if masks is None else masked(rows[i], masks[j]), t, n_top, decoder.sampling,
+                                             penalty_history(decoder.sampling, context, verdict.tokens[:j]))
+                            for j, (i, t) in enumerate(zip(at, verdict.tokens))]
+            else:
+                logprobs = [token_logprobs(rows[i], t, n_top) for i, t in zip(at, verdict.tokens)]
         step = gen.record(verdict.tokens, verdict.n_accepted, n_drafted, decoder.model_tgt.is_eog, source, logprobs=logprobs)
         if self.matcher is not None and self.matcher.done and gen.stop_reason is None:
             gen.finish(STOP_EOS)  # (only an end-of-generation token can follow: the pass it would take is saved)

@@ -135,7 +135,7 @@ class Service:
                 self.scheduler.cancel(sub.job)
         choices = [dict(choices[i % len(choices)], index=i) for i in range(req.n)]
         body = protocol.response_body(kind, rid, self.settings.model_id, "", "stop", extras[0])
-        if body_fields.get("verbose") is True:  # (llama-server's debugging echo: the prompt as evaluated, and the reply)
+        if body_fields.get("verbose", self.settings.verbose) is True:  # (llama-server's debugging echo: the prompt as evaluated, the reply)
             body["__verbose"] = self._verbose(event)
         body["choices"] = choices
         if req.n > 1:

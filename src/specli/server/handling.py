@@ -51,6 +51,7 @@ class Settings:
     strict_models: bool = False  # --strict-model-names: a request naming another model is a 404
     alias_list: list[str] = field(default_factory=list)  # --alias's names (/v1/models' aliases)
     tags: list[str] = field(default_factory=list)  # --tags
+    verbose: bool = False  # -v: every whole response carries __verbose (as llama-server's --verbose)
     cors: Optional["Cors"] = None  # the CORS answers (None: no CORS headers at all)
 
 

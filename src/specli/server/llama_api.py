@@ -80,7 +80,8 @@ class InfillRequest:
     response_fields: Optional[list[str]]
     content: Optional[fim.Mixed] = None  # /completion's prompt: a text, token ids, or a mix
     contents: Optional[list] = None  # /completion's prompts, when given as a list of several (an answer each)
-    n_probs: int = 0  # /completion: the log probabilities of each token and of the n_probs most likely there
+    n_probs: int = 0  # the log probabilities of each token and of the n_probs most likely there
+    post_sampling: bool = False  # post_sampling_probs: the sampling chain's probabilities instead (prob, top_probs)
     grammar: Optional[Grammar] = None  # /completion: grammar or json_schema
 
 
@@ -244,15 +245,13 @@ def _parse_native(body: dict, defaults: SamplingParams, n_vocab: int, *, prompt:
         if body.get(name) is not None and body[name] is not False:
             n_probs = _int(body, name, 0, MAX_N_PROBS)
             break
-    if n_probs and body.get("post_sampling_probs") is True:
-        raise ApiError(400, "'post_sampling_probs' is not supported by specli: its probabilities are the model's own, before "
-                            "sampling (leave it out)", param="post_sampling_probs")
     return InfillRequest(
         model=model, prefix=prefix, suffix=suffix, extra=extra or [], prompt=protocol.unicode_text(prompt, "prompt"),
         n_predict=n_predict, sampling=sampling, seed=seed, stop=_infill_stop(body.get("stop")), stream=_bool(body, "stream", False),
         n_indent=_int(body, "n_indent", 0) or 0, t_max_predict_ms=t_max if t_max is not None and t_max > 0 else None,
         cache_prompt=_bool(body, "cache_prompt", True), n_cache_reuse=_int(body, "n_cache_reuse", 0),
         return_tokens=_bool(body, "return_tokens", False), response_fields=fields_wanted or None, n_probs=n_probs,
+        post_sampling=_bool(body, "post_sampling_probs", False),
     )
 
 
@@ -330,11 +329,15 @@ class LlamaRoutes:
 
     async def _generate_each(self, http: HttpRequest, req: InfillRequest, prompts: list[list[int]], constraint) -> Response:
         """Several prompts in one request, as llama-server answers them: a list of final
-        objects (each with its `index`), or one stream of every prompt's events."""
+        objects (each with its `index`), or one stream of every prompt's events. Whole greedy
+        answers to the same tokens are one answer (the target's argmax: computed once)."""
+        dedupe = req.sampling.greedy and not req.stream
+        unique = list(dict.fromkeys(map(tuple, prompts))) if dedupe else [tuple(p) for p in prompts]
+        job_of = [unique.index(tuple(p)) for p in prompts] if dedupe else list(range(len(prompts)))
         submitted = []
         try:
-            for ids in prompts:
-                submitted.append(submit(self.scheduler, self._request(req, ids, constraint)))
+            for ids in unique:
+                submitted.append(submit(self.scheduler, self._request(req, list(ids), constraint)))
         except ApiError:
             for other in submitted:
                 self.scheduler.cancel(other.job)
@@ -344,17 +347,17 @@ class LlamaRoutes:
             streams = [sub.stream(lambda events, i=i, n=len(ids): self._infill_events(events, req, n, t0, http, index=i))
                        for i, (sub, ids) in enumerate(zip(submitted, prompts))]
             return sse_response(merged(streams))
-        bodies = []
+        events = []
         try:
-            for i, sub in enumerate(submitted):
+            for sub in submitted:
                 finished = await sub.finished(http)
                 if finished is None:
                     return Response(status_code=499)
-                bodies.append(self._final_body(req, finished[0], http, t0, index=i))
+                events.append(finished[0])
         finally:
             for sub in submitted:
                 self.scheduler.cancel(sub.job)
-        return JSONResponse(bodies)
+        return JSONResponse([self._final_body(req, events[job_of[i]], http, t0, index=i) for i in range(len(prompts))])
 
     def _completion_ids(self, content: fim.Mixed) -> list[int]:
         """A prompt's tokens as llama-server makes them: texts with BOS first (where the model
@@ -377,6 +380,7 @@ class LlamaRoutes:
         return Request(
             prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=req.stop, limits=LineLimits(req.n_indent, req.t_max_predict_ms),
             fresh=not req.cache_prompt, cache_reuse=req.n_cache_reuse, constraint=constraint, logprobs=req.n_probs or None,
+            post_sampling=req.post_sampling,
         )
 
     async def _generate(self, http: HttpRequest, req: InfillRequest, prompt_ids: list[int], constraint=None) -> Response:
@@ -396,13 +400,18 @@ class LlamaRoutes:
         body = self._infill_final(req, event, gen.text, list(gen.token_ids) if req.return_tokens else [])
         body["index"] = index
         if gen.logprobs:
-            body["completion_probabilities"] = self._probabilities(gen.token_ids, gen.logprobs, TextStream(self.model.piece))
+            body["completion_probabilities"] = self._probabilities(gen.token_ids, gen.logprobs, TextStream(self.model.piece), req.post_sampling)
         return nested_fields(req.response_fields, body) if req.response_fields else body
 
-    def _probabilities(self, tokens, entries, texts: TextStream) -> list[dict]:
+    def _probabilities(self, tokens, entries, texts: TextStream, post: bool = False) -> list[dict]:
         """llama-server's completion_probabilities: each token's id, text, bytes and logprob, and
-        its top_logprobs."""
-        return [protocol.logprob_entry(self.model, e, texts.feed([t]), with_id=True) for t, e in zip(tokens, entries)]
+        its top_logprobs (post: `prob` and `top_probs`, the sampling chain's probabilities)."""
+        out = [protocol.logprob_entry(self.model, e, texts.feed([t]), with_id=True) for t, e in zip(tokens, entries)]
+        if post:
+            for entry in out:
+                entry["prob"] = math.exp(entry.pop("logprob"))
+                entry["top_probs"] = [{"id": a["id"], "token": a["token"], "bytes": a["bytes"], "prob": math.exp(a["logprob"])} for a in entry.pop("top_logprobs")]
+        return out
 
     async def _infill_events(self, events: AsyncIterator[Event], req: InfillRequest, n_prompt: int, t0: float, http: HttpRequest, index: int = 0):
         """llama-server's /infill and /completion stream: a `data: {...}` event per step with its
@@ -415,7 +424,7 @@ class LlamaRoutes:
                 n_sent += len(event.tokens)
                 partial = self._infill_partial(event.text, list(event.tokens), n_sent, n_prompt, index)
                 if event.logprobs:
-                    partial["completion_probabilities"] = self._probabilities(event.tokens, event.logprobs, texts)
+                    partial["completion_probabilities"] = self._probabilities(event.tokens, event.logprobs, texts, req.post_sampling)
                 yield sse_event(partial)
             elif isinstance(event, Failed):
                 yield sse_event(ApiError(event.status, event.message).body())
@@ -424,7 +433,7 @@ class LlamaRoutes:
                 if event.tail or gen.token_ids[n_sent:]:
                     partial = self._infill_partial(event.tail, gen.token_ids[n_sent:], len(gen.token_ids), n_prompt, index)
                     if gen.logprobs and gen.logprobs[n_sent:]:
-                        partial["completion_probabilities"] = self._probabilities(gen.token_ids[n_sent:], gen.logprobs[n_sent:], texts)
+                        partial["completion_probabilities"] = self._probabilities(gen.token_ids[n_sent:], gen.logprobs[n_sent:], texts, req.post_sampling)
                     yield sse_event(partial)
                 final = dict(self._infill_final(req, event, "", []), index=index)
                 yield sse_event(nested_fields(req.response_fields, final) if req.response_fields else final)
