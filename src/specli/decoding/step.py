@@ -150,6 +150,7 @@ class SequenceStep:
         self._t_begin: float | None = None  # when begin() was first called
         self._n_tail = 0  # prompt tokens left to the next pass (begin())
         self._pass_tail = 0  # those of them in the pending pass
+        self._committed = False  # whether a pass was booked (the first one finishes the prompt)
         self.n_rows = 1  # the rows of logits the pending pass must return for this sequence
         self._tree: TokenTree | None = None  # the pending pass's branches, when a tree
 
@@ -391,9 +392,11 @@ class SequenceStep:
             step.n_branches, step.width = len(tree.paths), tree.width
         context.extend(verdict.tokens)
         gen.stats.draft_s += self._draft_s
-        if self._pass_tail:
-            # The pass that finished the prompt is the prompt's time (as llama.cpp counts it),
-            # although its first tokens came out of it; generation starts after it.
+        first, self._committed = not self._committed, True
+        if self._pass_tail or first:
+            # The pass that finished the prompt (the first: it holds at least the prompt's last
+            # token, even when the cache held the rest) is the prompt's time, as llama.cpp counts
+            # it, although its first tokens came out of it; generation starts after it.
             gen.stats.prompt_s += pass_s + verify_s
             gen.stats.prompt_pass_decided = gen.stats.decided
             self._t_gen = time.perf_counter()

@@ -290,8 +290,8 @@ def generation_settings(sampling: SamplingParams) -> dict:
     return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
             "repeat_last_n": sampling.repeat_last_n, "repeat_penalty": sampling.repeat_penalty,
             "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
-            # (llama-server's shape; a banned token's -inf as the lowest float, as its JSON cannot hold -inf)
-            "logit_bias": [{"bias": b if math.isfinite(b) else -3.4028234663852886e38, "token": t} for t, b in sampling.logit_bias]}
+            # (llama-server's shape; a banned token's -inf is null, as its JSON writes it)
+            "logit_bias": [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in sampling.logit_bias]}
 
 
 class LlamaRoutes:
@@ -590,7 +590,10 @@ class LlamaRoutes:
         if not self.settings.metrics:
             raise ApiError(501, "This server does not support metrics endpoint. Start it with `--metrics`", kind=NOT_SUPPORTED)
         text = prometheus_text(self.scheduler.metrics(), queue_limit=self.scheduler.queue_limit)
-        return Response(text, media_type="text/plain; version=0.0.4", headers={"Process-Start-Time-Unix": str(self.settings.created)})
+        response = Response(text, media_type="text/plain; version=0.0.4")
+        # (in llama-server's casing: clients that read headers into a plain dict look it up so)
+        response.raw_headers.append((b"Process-Start-Time-Unix", str(self.settings.created).encode()))
+        return response
 
     async def slots(self, http: HttpRequest) -> Response:
         check_key(self.settings, http)
