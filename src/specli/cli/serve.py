@@ -6,6 +6,7 @@ the rest of specli never imports it.
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import os
 import sys
@@ -51,7 +52,7 @@ def serve_command(
     alias: Optional[str] = typer.Option(None, "--alias", "-a", help="The model's names, comma-separated (its id: the first in sorted order, as llama-server's)."),
     tags: Optional[str] = typer.Option(None, "--tags", help="Tags listed with the model in /v1/models, comma-separated (llama-server's)."),
     chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="A Jinja chat template file for chat requests, instead of the model's own (llama-server's)."),
-    reasoning: str = typer.Option("auto", "--reasoning", "-rea", help="on / off: the template's enable_thinking (llama-server's); auto: the template's default."),
+    reasoning: str = typer.Option("auto", "--reasoning", "-rea", help="off: the template's enable_thinking is false (on, auto: true), as llama-server's."),
     strict_model_names: bool = typer.Option(False, "--strict-model-names", help="Answer 404 to a request that names another model (default: any name is this server's model, as llama-server)."),
     cors_origins: str = typer.Option("*", "--cors-origins", help="Origins browsers may call from, comma-separated ('*': any; 'localhost': only this machine's)."),
     cors_methods: str = typer.Option("GET, POST, DELETE, OPTIONS", "--cors-methods", help="Methods a CORS preflight allows."),
@@ -102,8 +103,10 @@ def serve_command(
         try:
             settings = _settings(loaded, the_plan, models, choice, api_key, max_tokens, template, quiet, aliases=names,
                                  template_file=(chat_template_file, template_source) if template_source is not None else None)
-            if settings.formatter is not None and reasoning != "auto":
-                settings.formatter.variables["enable_thinking"] = reasoning == "on"
+            if settings.formatter is not None:
+                # the inputs llama-server gives every template: enable_thinking (true unless
+                # --reasoning off) and today's date_string (Llama 3.x's templates print it)
+                settings.formatter.variables.update(enable_thinking=reasoning != "off", date_string=datetime.date.today().strftime("%d %b %Y"))
             settings.strict_models, settings.verbose = strict_model_names, verbose
             settings.alias_list = sorted(set(names))
             settings.tags = sorted({t.strip() for t in (tags or "").split(",") if t.strip()})

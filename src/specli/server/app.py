@@ -385,7 +385,8 @@ def make_app(service: Service):
 
 
 def cors_guard(app, cors: Cors):
-    """llama-server's CORS, before anything else: every response gets its
+    """llama-server's CORS, before anything else (its header names in its casing: clients that
+    read headers into a plain dict look them up so): every response gets its
     Access-Control-Allow-Origin, and an OPTIONS request (a browser's preflight, which carries no
     API key) is answered at once, 200 with the allowed methods and headers."""
 
@@ -395,11 +396,11 @@ def cors_guard(app, cors: Cors):
         headers = dict(scope.get("headers", ()))
         origin = headers.get(b"origin")
         allow = cors.allow_origin(origin.decode("latin-1") if origin is not None else None)
-        extra = [] if allow is None else [(b"access-control-allow-origin", allow.encode("latin-1"))]
+        extra = [] if allow is None else [(b"Access-Control-Allow-Origin", allow.encode("latin-1"))]
         if scope["method"] == "OPTIONS":
-            extra += [(b"access-control-allow-credentials", b"true" if cors.credentials else b"false"),
-                      (b"access-control-allow-methods", cors.methods.encode("latin-1")),
-                      (b"access-control-allow-headers", cors.headers.encode("latin-1"))]
+            extra += [(b"Access-Control-Allow-Credentials", b"true" if cors.credentials else b"false"),
+                      (b"Access-Control-Allow-Methods", cors.methods.encode("latin-1")),
+                      (b"Access-Control-Allow-Headers", cors.headers.encode("latin-1"))]
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/html"), (b"content-length", b"0"), *extra]})
             return await send({"type": "http.response.body", "body": b""})
