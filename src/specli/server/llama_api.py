@@ -275,8 +275,11 @@ def nested_fields(paths: list[str], body: dict) -> dict:
 def infill_timings(stats) -> dict:
     """llama-server's `timings` (protocol.timings, with its per-token times)."""
     t = protocol.timings(stats)
-    t["prompt_per_token_ms"] = round(t["prompt_ms"] / t["prompt_n"], 3) if t["prompt_n"] else None
-    t["predicted_per_token_ms"] = round(t["predicted_ms"] / t["predicted_n"], 3) if t["predicted_n"] else None
+    # (per decoding step after the prompt's pass, whose first tokens cost no step of their own;
+    # 0 where there is none: llama-server's fields are numbers, never null)
+    decoded = stats.decided - stats.prompt_pass_decided
+    t["prompt_per_token_ms"] = round(t["prompt_ms"] / t["prompt_n"], 3) if t["prompt_n"] else 0.0
+    t["predicted_per_token_ms"] = round(t["predicted_ms"] / decoded, 3) if decoded > 0 else 0.0
     return t
 
 

@@ -532,7 +532,8 @@ def timings(stats: Stats) -> dict:
     speeds; where that is None (the prompt's pass made every token) it is 0, as the speeds here
     are: llama-server's fields are numbers, and a tool summing or plotting them takes 0 where
     null would break it."""
-    gen_ms = stats.generation_s * 1000
+    # (no time after the prompt's pass when it made every token: a one-token reply decodes nothing)
+    gen_ms = stats.generation_s * 1000 if stats.decided > stats.prompt_pass_decided else 0.0
     prompt_n = stats.prompt_tokens - stats.prompt_reused
     return {
         "cache_n": stats.prompt_reused, "prompt_n": prompt_n, "prompt_ms": round(stats.prompt_s * 1000, 3),
