@@ -104,9 +104,11 @@ def serve_command(
             settings = _settings(loaded, the_plan, models, choice, api_key, max_tokens, template, quiet, aliases=names,
                                  template_file=(chat_template_file, template_source) if template_source is not None else None)
             if settings.formatter is not None:
-                # the inputs llama-server gives every template: enable_thinking (true unless
-                # --reasoning off) and today's date_string (Llama 3.x's templates print it)
-                settings.formatter.variables.update(enable_thinking=reasoning != "off", date_string=datetime.date.today().strftime("%d %b %Y"))
+                # the inputs llama-server gives every template (common_chat_extra_context):
+                # enable_thinking (true unless --reasoning off), today as date_string and datetime
+                today = datetime.date.today()
+                settings.formatter.variables.update(enable_thinking=reasoning != "off", date_string=today.strftime("%d %b %Y"),
+                                                    datetime=today.strftime("%b %d %Y"))
             settings.strict_models, settings.verbose = strict_model_names, verbose
             settings.alias_list = sorted(set(names))
             settings.tags = sorted({t.strip() for t in (tags or "").split(",") if t.strip()})
