@@ -527,19 +527,21 @@ def speculative(stats: Stats, *, mode: str, draft_length: DraftLength, seed: Opt
 
 def timings(stats: Stats) -> dict:
     """llama-server's `timings` object, for tools that read it. predicted_per_second is
-    Stats.tokens_per_s, the very figure `speculative.tokens_per_s` gives (the tokens decided
-    after the prompt's pass, over the generation time), so one response never shows two
-    speeds; where that is None (the prompt's pass made every token) it is 0, as the speeds here
+    Stats.tokens_per_s, the figure `speculative.tokens_per_s` gives (the tokens decided after
+    the prompt's pass, over the generation time), computed over the predicted_ms shown (so the
+    two agree to its rounding, and a client recomputing it gets it exactly); where that is None (the prompt's pass made every token) it is 0, as the speeds here
     are: llama-server's fields are numbers, and a tool summing or plotting them takes 0 where
     null would break it."""
     # (no time after the prompt's pass when it made every token: a one-token reply decodes nothing)
-    gen_ms = stats.generation_s * 1000 if stats.decided > stats.prompt_pass_decided else 0.0
+    decoded = stats.decided - stats.prompt_pass_decided
+    gen_ms = stats.generation_s * 1000 if decoded > 0 else 0.0
     prompt_n = stats.prompt_tokens - stats.prompt_reused
     return {
         "cache_n": stats.prompt_reused, "prompt_n": prompt_n, "prompt_ms": round(stats.prompt_s * 1000, 3),
         "prompt_per_second": round(prompt_n / stats.prompt_s, 3) if stats.prompt_s > 0 else 0.0,
         "predicted_n": stats.n_tokens, "predicted_ms": round(gen_ms, 3),
-        "predicted_per_second": round(stats.tokens_per_s or 0.0, 3),
+        # (over the shown predicted_ms, so that a client recomputing it gets it to the last digit)
+        "predicted_per_second": decoded * 1000 / round(gen_ms, 3) if decoded > 0 and round(gen_ms, 3) > 0 else 0.0,
         "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
     }
 
