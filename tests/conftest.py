@@ -115,6 +115,14 @@ def gemma(gemma_path):
     model.close()
 
 
+@pytest.fixture(scope="module")
+def perturbed(pair_perturbed):
+    """The perturbed pair loaded with load()'s numerics: (target, draft)."""
+    target, draft = load(pair_perturbed[0]), load(pair_perturbed[1])
+    yield target, draft
+    target.close(), draft.close()
+
+
 def load(path: Path, n_ctx: int = FIXTURE_CTX) -> LlamaModel:
     """A fixture model with the numerics that make batched == one-at-a-time (see LlamaModel)."""
     init_backend()

@@ -30,13 +30,6 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def perturbed(pair_perturbed):
-    target, draft = load(pair_perturbed[0]), load(pair_perturbed[1])
-    yield target, draft
-    target.close(), draft.close()
-
-
-@pytest.fixture(scope="module")
 def truncated(pair_truncated):
     target, draft = load(pair_truncated[0]), load(pair_truncated[1])
     yield target, draft

@@ -11,7 +11,6 @@ import math
 import numpy as np
 import pytest
 
-from conftest import load
 from specli.decoding.drafters import DraftModelDrafter, HybridDrafter, PromptLookupDrafter
 from specli.decoding.generation import Request, TokenLogprob, token_logprobs
 from specli.decoding.loop import generate
@@ -26,13 +25,6 @@ PROMPTS = [
 ]
 MAX_TOKENS = 40
 N_TOP = 5
-
-
-@pytest.fixture(scope="module")
-def perturbed(pair_perturbed):
-    target, draft = load(pair_perturbed[0]), load(pair_perturbed[1])
-    yield target, draft
-    target.close(), draft.close()
 
 
 def log_softmax(row: np.ndarray) -> np.ndarray:

@@ -12,7 +12,6 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import load
 from specli.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specli.decoding.generation import Request
 from specli.decoding.loop import generate
@@ -90,13 +89,6 @@ def test_openai_penalty_fields_are_taken_by_chat_and_completions():
 
 
 # --- under speculation ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def perturbed(pair_perturbed):
-    target, draft = load(pair_perturbed[0]), load(pair_perturbed[1])
-    yield target, draft
-    target.close(), draft.close()
-
-
 def test_greedy_output_with_penalties_and_a_bias_is_target_only_output_with_every_drafter(perturbed):
     target, draft = perturbed
     ids = target.tokenize(PROMPT)
