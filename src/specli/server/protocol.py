@@ -2,8 +2,8 @@
 and the response bodies and stream chunks built from a finished or running generation.
 
 Leniency follows the clients: unknown fields are ignored (editors and agents send vendor
-fields), known fields we do not implement are accepted at their neutral value (n=1,
-logprobs=false, presence_penalty=0, ...) and refused otherwise, so nothing a client asked for is
+fields), known fields we do not implement are accepted at their neutral value (best_of=1,
+echo=false, ...) and refused otherwise, so nothing a client asked for is
 silently dropped. Every refusal is an ApiError: status, message, and the field at fault.
 """
 
