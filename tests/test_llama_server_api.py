@@ -85,7 +85,7 @@ def test_the_native_completions_prompt_forms_and_fields():
     assert parse(prompt=["a", [1, 2], {"prompt_string": "b"}]).contents == ["a", [1, 2], "b"] and parse(prompt=["a"]).contents is None
     for body, param in (({}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [5000]}, "prompt"),
                         ({"prompt": {"prompt_string": "a", "multimodal_data": ["x"]}}, "prompt"), ({"prompt": ["a"] * 17}, "prompt"),
-                        ({"prompt": "hi", "n_probs": 101}, "n_probs"), ({"prompt": "hi", "n_probs": 2, "post_sampling_probs": True}, "post_sampling_probs"),
+                        ({"prompt": "hi", "n_probs": 101}, "n_probs"), ({"prompt": "hi", "n_probs": 2, "post_sampling_probs": "yes"}, "post_sampling_probs"),
                         ({"prompt": "hi", "grammar": "root ::= ("}, "grammar"), ({"prompt": "hi", "mirostat": 2}, "mirostat")):
         err = refused(parse_completion, body, GREEDY, 1000)
         assert err.status == 400 and err.param == param, body
