@@ -110,7 +110,6 @@ def serve_command(
                 settings.formatter.variables.update(enable_thinking=reasoning != "off", date_string=today.strftime("%d %b %Y"),
                                                     datetime=today.strftime("%b %d %Y"))
             settings.strict_models, settings.verbose = strict_model_names, verbose
-            settings.alias_list = sorted(set(names))
             settings.tags = sorted({t.strip() for t in (tags or "").split(",") if t.strip()})
             settings.cors = Cors(cors_origins.strip(), cors_methods, cors_headers, cors_credentials)
             def save_memory(every_s: float = 0.0) -> float | None:  # (--memory persist; when idle: the scheduler's on_idle)
@@ -186,11 +185,12 @@ def _settings(loaded, the_plan, models: Models, choice, api_key, max_tokens, tem
         if not quiet:
             print(f"specli: warning: chat requests will be refused: {problem}", file=sys.stderr)
     path = Path(the_plan.target_path)
-    model_id = min(aliases) if aliases else models.model if models.model and not _looks_like_file(models.model) else path.stem
+    alias_list = sorted(set(aliases))  # (llama-server's id: the first alias in sorted order)
+    model_id = alias_list[0] if alias_list else models.model if models.model and not _looks_like_file(models.model) else path.stem
     names = {path.name, path.stem, str(path), *aliases} | ({models.model} if models.model else set())
     log = None if quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     return Settings(
-        model_id=model_id, aliases=names, defaults=choice.sampling, api_key=api_key, default_max_tokens=max_tokens,
+        model_id=model_id, aliases=names, alias_list=alias_list, defaults=choice.sampling, api_key=api_key, default_max_tokens=max_tokens,
         formatter=formatter, chat_problem=problem, log=log,
     )
 

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from specli.decoding.sampling import SamplingParams
+from specli.decoding.sampling import SamplingParams, distribution
 from specli.decoding.stats import Stats
 from specli.decoding.stopping import _CUTTING, STOP_EOS, STOP_INTERRUPTED, STOP_STRING, LineLimits, check_stop, first_stop, partial_stop_len
 from specli.decoding.text import TextStream
@@ -74,8 +74,6 @@ def sampled_logprobs(row, token: int, n_top: int, sampling, history) -> TokenLog
     """`token`'s entry from the distribution the sampling chain makes of `row` (temperature,
     top-k, top-p, min-p, penalties, bias: llama-server's post_sampling_probs): the kept tokens
     only, most likely first (ties to the lower id)."""
-    from specli.decoding.sampling import distribution
-
     dist = distribution(row, sampling, history)
     order = np.lexsort((dist.ids, -dist.probs))[:n_top]
     top = tuple((int(dist.ids[k]), math.log(float(dist.probs[k]))) for k in order if dist.probs[k] > 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -48,6 +49,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when tokens are the argmax (no randomness, verification is exact matching)."""
         return self.temperature <= 0
+
+    @cached_property
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (ids, biases) arrays, made once per setting: the bias is added to every
+        row verified or drafted, and a request may bias thousands of tokens."""
+        ids = np.fromiter((t for t, _ in self.logit_bias), dtype=np.int64, count=len(self.logit_bias))
+        return ids, np.fromiter((b for _, b in self.logit_bias), dtype=np.float64, count=len(self.logit_bias))
 
     @property
     def penalizes(self) -> bool:
@@ -268,7 +276,7 @@ def _penalize(row: np.ndarray, params: SamplingParams, history: Sequence[int]) -
     (ties among them).
     """
     if params.logit_bias:
-        row = _biased(row, params.logit_bias)
+        row = _biased(row, *params.bias_arrays)
     if not params.penalizes or params.repeat_last_n <= 0 or len(history) == 0:
         return row
     recent, counts = np.unique(np.asarray(history[-params.repeat_last_n :], dtype=np.int64), return_counts=True)
@@ -296,10 +304,8 @@ def _penalties(seen: np.ndarray, counts: np.ndarray, penalty: float, freq: float
     return out
 
 
-def _biased(row: np.ndarray, bias: tuple[tuple[int, float], ...]) -> np.ndarray:
+def _biased(row: np.ndarray, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
     """row + the logit bias (ids past the vocabulary ignored; -inf forbids a token)."""
-    ids = np.fromiter((t for t, _ in bias), dtype=np.int64, count=len(bias))
-    values = np.fromiter((b for _, b in bias), dtype=np.float64, count=len(bias))
     inside = ids < row.shape[0]
     out = row.copy()
     with np.errstate(over="ignore", invalid="ignore"):

@@ -51,13 +51,12 @@ def encode_conversation(model: LlamaModel, formatter: ChatFormat, system: Option
     Raises UsageError when a message holds a marker's text and the template changes message
     text beyond trimming it (its spans cannot then be told apart from the template's)."""
     contents = ([system] if system else []) + [m["content"] for m in messages]
-    if continue_final and messages[-1]["content"].strip():
+    if _continues_text(messages, continue_final):
         if any(_holds_control_text(model, c) for c in contents):
             raise UsageError("a message holds the text of one of the model's control tokens, which a continued assistant message "
                              "cannot keep apart from the template's own; remove it")
         return encode(model, render_conversation(formatter, system, messages, tools=tools, continue_final=True))
-    if continue_final:  # (nothing to continue: the assistant's turn opens as for a new reply)
-        messages, add_assistant = messages[:-1], True
+    messages, add_assistant = _turn_end(messages, add_assistant, continue_final)
     text = formatter.render(system, messages, add_assistant=add_assistant, **({"tools": tools} if tools else {}))
     calls = [json.dumps(m["tool_calls"], ensure_ascii=False) for m in messages if m.get("tool_calls")]
     if tools or calls:  # (tools and calls are rendered as JSON: no span of the text is theirs alone)
@@ -103,11 +102,21 @@ def render_conversation(formatter: ChatFormat, system: Optional[str], messages: 
     """The conversation's text as encode_conversation encodes it (continue_final: up to the end of
     the last message's text; with no text, the assistant's turn opened as for a new reply)."""
     given = {"tools": tools} if tools else {}
-    if continue_final and messages[-1]["content"].strip():
+    if _continues_text(messages, continue_final):
         return cut_after(formatter.render(system, messages, add_assistant=False, **given), messages[-1]["content"], formatter.name)
-    if continue_final:
-        messages, add_assistant = messages[:-1], True
+    messages, add_assistant = _turn_end(messages, add_assistant, continue_final)
     return formatter.render(system, messages, add_assistant=add_assistant, **given)
+
+
+def _continues_text(messages: list[dict], continue_final: bool) -> bool:
+    """Whether the reply continues the last message's text (a prefill with text in it)."""
+    return continue_final and bool(messages[-1]["content"].strip())
+
+
+def _turn_end(messages: list[dict], add_assistant: bool, continue_final: bool) -> tuple[list[dict], bool]:
+    """The messages rendered, and whether the assistant's turn opens after them: continuing an
+    empty assistant message is opening the assistant's turn, as for a new reply."""
+    return (messages[:-1], True) if continue_final else (messages, add_assistant)
 
 
 def cut_after(text: str, content: str, name: str) -> str:

@@ -31,14 +31,14 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from specli.constraints import Constraint, Grammar
 from specli.constraints.tools import NONE, ToolConstraint, ToolFormat
 from specli.decoding.generation import Request
 from specli.decoding.text import TextStream
 from specli.errors import SpecliError, UsageError
 from specli.llama.conversation import encode_conversation
 from specli.server import protocol, tool_calls
-from specli.server.handling import ClientLeft, Cors, Settings, check_key, check_model, log_done, make_constraint, merged, read_json, sse_event, sse_response, submit
+from specli.server.handling import (ClientLeft, Cors, Settings, check_key, check_model, finish_all, log_done, make_constraint, merged, read_json, sse_event,
+                                    sse_response, submit_all)
 from specli.server.llama_api import LlamaRoutes
 from specli.server.protocol import CHAT, TEXT, ApiError
 from specli.server.scheduler import Delta, Done, Event, Failed, Scheduler
@@ -92,7 +92,7 @@ class Service:
         if tools is not None:
             constraint = await run_in_threadpool(self._tool_constraint, tools)
         else:
-            constraint = None if req.grammar is None else await run_in_threadpool(self._constraint, req.grammar)
+            constraint = None if req.grammar is None else await run_in_threadpool(make_constraint, req.grammar, self.model)
         request = Request(prompt_ids, max_tokens, req.sampling, seed=req.seed, stop=(*format_stop, *req.stop), constraint=constraint,
                           logprobs=req.logprobs)
         # n choices: greedy ones are one and the same text (the target's argmax: computed once,
@@ -100,39 +100,26 @@ class Service:
         copies = req.n if req.sampling.greedy else 1
         jobs = [request] if copies > 1 or req.n == 1 else [
             dataclasses.replace(request, seed=None if req.seed is None else req.seed + i) for i in range(req.n)]  # (a constraint is per sequence: Constraint.start)
-        submitted = []
-        try:
-            for job in jobs:
-                submitted.append(submit(self.scheduler, job))
-        except ApiError:
-            for other in submitted:
-                self.scheduler.cancel(other.job)
-            raise
+        submitted = submit_all(self.scheduler, jobs)
         rid, t0 = protocol.new_id(kind), time.perf_counter()
         calls = self.settings.formatter.tool_format if tools is not None and tools.choice != NONE else None  # (parsed from the output)
         if req.stream:
             streams = [sub.stream(lambda events, i=i: self._chunks(events, req, rid, t0, http, calls, index=i)) for i, sub in enumerate(submitted)]
             return sse_response(self._sse(streams, req, rid, copies))
+        finished = await finish_all(submitted, http, on_done=lambda event: self._log(http, event, t0))
+        if finished is None:  # the client left: nobody to answer
+            return Response(status_code=499)
         choices, extras = [], []
-        try:
-            for sub in submitted:
-                finished = await sub.finished(http)
-                if finished is None:  # the client left: nobody to answer
-                    return Response(status_code=499)
-                event, text = finished
-                self._log(http, event, t0)
-                finish = protocol.FINISH_REASONS.get(event.generation.stop_reason, "stop")
-                message = None
-                if calls is not None:
-                    message, called = tool_calls.message(calls, text)
-                    finish = "tool_calls" if called and finish == "stop" else finish
-                gen = event.generation
-                logprobs = None if gen.logprobs is None else self._logprobs(kind, list(gen.token_ids), gen.logprobs)
-                choices.append(protocol.response_body(kind, rid, self.settings.model_id, text, finish, {}, message, logprobs)["choices"][0])
-                extras.append(self._extra(event))
-        finally:
-            for sub in submitted:
-                self.scheduler.cancel(sub.job)
+        for event, text in finished:
+            finish = protocol.FINISH_REASONS.get(event.generation.stop_reason, "stop")
+            message = None
+            if calls is not None:
+                message, called = tool_calls.message(calls, text)
+                finish = "tool_calls" if called and finish == "stop" else finish
+            gen = event.generation
+            logprobs = None if gen.logprobs is None else self._logprobs(kind, list(gen.token_ids), gen.logprobs)
+            choices.append(protocol.response_body(kind, rid, self.settings.model_id, text, finish, {}, message, logprobs)["choices"][0])
+            extras.append(self._extra(event))
         choices = [dict(choices[i % len(choices)], index=i) for i in range(req.n)]
         body = protocol.response_body(kind, rid, self.settings.model_id, "", "stop", extras[0])
         if body_fields.get("verbose", self.settings.verbose) is True:  # (llama-server's debugging echo: the prompt as evaluated, the reply)
@@ -189,12 +176,10 @@ class Service:
             yield sse_event(protocol.chunk(req.kind, rid, model, created, no_choices=True, extra=extra))
         yield "data: [DONE]\n\n"
 
-    def _logprobs(self, kind: str, tokens: list[int], entries, texts: Optional[list[str]] = None, start: int = 0) -> dict:
-        """A choice's (or a chunk's) `logprobs`: chat's {"content": [...]}, completions' legacy
-        fields too. `texts`: each token's output text (default: from the tokens alone)."""
-        texts = texts if texts is not None else protocol.logprob_texts(self.model, tokens)
-        content = [protocol.logprob_entry(self.model, e, t) for e, t in zip(entries, texts)]
-        return {"content": content, "refusal": None} if kind == CHAT else protocol.completion_logprobs(content, start)
+    def _logprobs(self, kind: str, tokens: list[int], entries) -> dict:
+        """A whole choice's `logprobs` (each token's text: the text it completes)."""
+        texts = TextStream(self.model.piece)
+        return protocol.choice_logprobs(kind, [protocol.logprob_entry(self.model, e, texts.feed([t])) for t, e in zip(tokens, entries)])
 
     async def _chunks(self, events: AsyncIterator[Event], req: protocol.ApiRequest, rid: str, t0: float, http: HttpRequest,
                       calls: Optional[ToolFormat] = None, index: int = 0):
@@ -219,7 +204,7 @@ class Service:
                 return None
             content = list(pending)
             pending.clear()
-            out = {"content": content, "refusal": None} if kind == CHAT else protocol.completion_logprobs(content, offset)
+            out = protocol.choice_logprobs(kind, content, offset)
             offset += sum(len(c["token"]) for c in content)
             return out
 
@@ -232,13 +217,13 @@ class Service:
             return out
 
         if kind == CHAT:
-            yield (protocol.chunk(kind, rid, model, created, index=index, role=True))
+            yield protocol.chunk(kind, rid, model, created, index=index, role=True)
         async for event in events:
             if isinstance(event, Delta):
                 n_sent += len(event.tokens)
                 take(event.tokens, event.logprobs)
                 for piece in pieces(event.text):
-                    yield (piece)
+                    yield piece
             elif isinstance(event, Failed):
                 yield ApiError(event.status, event.message).body()
             else:
@@ -246,11 +231,11 @@ class Service:
                 if gen.logprobs is not None:
                     take(gen.token_ids[n_sent:], gen.logprobs[n_sent:])
                 for piece in pieces(event.tail) if event.tail or pending else []:
-                    yield (piece)
+                    yield piece
                 finish = protocol.FINISH_REASONS.get(gen.stop_reason, "stop")
                 if deltas is not None:
                     for d in deltas.finish():
-                        yield (protocol.chunk(kind, rid, model, created, index=index, delta=d))
+                        yield protocol.chunk(kind, rid, model, created, index=index, delta=d)
                     finish = "tool_calls" if deltas.ids and finish == "stop" else finish
                 extra = self._extra(event)
                 finish_extra = {k: v for k, v in extra.items() if k != "usage"} if req.include_usage else extra
@@ -283,9 +268,6 @@ class Service:
         except UsageError as err:
             raise ApiError(400, str(err), param="tools") from None
 
-    def _constraint(self, grammar: Grammar) -> Constraint:
-        return make_constraint(grammar, self.model)
-
     def _prompt_ids(self, req: protocol.ApiRequest, tools: Optional[tool_calls.ToolRequest] = None) -> tuple[list[int], tuple[str, ...]]:
         """The prompt's tokens (a chat rendered with the model's template) and the format's own
         stop strings; ApiError when it is refused or does not fit the context."""
@@ -317,11 +299,7 @@ class Service:
             ids = req.prompt_ids
         else:
             ids = model.tokenize_prompt(req.prompt, parse_special=req.parse_special)  # (as llama-server: control text parsed)
-        if not ids:
-            raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
-        if len(ids) >= n_ctx:
-            raise protocol.context_exceeded(f"the prompt is {len(ids)} tokens but a request's context holds {n_ctx}; shorten it, or restart the server with a larger -c",
-                                            param=field, n_prompt_tokens=len(ids), n_ctx=n_ctx)
+        protocol.check_fits(ids, n_ctx, field)
         return ids, stops
 
     def _extra(self, event: Done) -> dict:

@@ -172,6 +172,40 @@ def submit(scheduler: Scheduler, request: Request) -> Submitted:
     return Submitted(scheduler, job, queue)
 
 
+def submit_all(scheduler: Scheduler, requests: list[Request]) -> list[Submitted]:
+    """submit() each of a request's generations (its choices, its prompts); when one is refused
+    (a full queue), those already queued are cancelled and the 503 raised."""
+    submitted: list[Submitted] = []
+    try:
+        for request in requests:
+            submitted.append(submit(scheduler, request))
+    except ApiError:
+        for other in submitted:
+            scheduler.cancel(other.job)
+        raise
+    return submitted
+
+
+async def finish_all(submitted: list[Submitted], http: HttpRequest,
+                     on_done: Optional[Callable[[Done], None]] = None) -> Optional[list[tuple[Done, str]]]:
+    """Each generation's end (Submitted.finished), in order, `on_done` told of each as it comes;
+    None when the client left. Whatever ends the wait (a failure, a client gone), every
+    generation is cancelled then."""
+    out = []
+    try:
+        for sub in submitted:
+            finished = await sub.finished(http)
+            if finished is None:
+                return None
+            if on_done is not None:
+                on_done(finished[0])
+            out.append(finished)
+    finally:
+        for sub in submitted:
+            sub.scheduler.cancel(sub.job)
+    return out
+
+
 class Submitted:
     """A job on the scheduler, and the queue its events come back in (through the event loop).
     Whichever way its response ends, the job is cancelled then (nothing when it finished)."""

@@ -35,7 +35,8 @@ from specli.errors import SpecliError
 from specli.modes import DraftMode
 from specli.llama.conversation import render_conversation
 from specli.server import fim, protocol, tool_calls
-from specli.server.handling import Settings, check_key, check_model, log_done, make_constraint, merged, read_json, sse_event, sse_response, submit
+from specli.server.handling import (Settings, check_key, check_model, finish_all, log_done, make_constraint, merged, read_json, sse_event, sse_response,
+                                    submit, submit_all)
 from specli.server.protocol import ApiError, quoted
 from specli.server.scheduler import Delta, Done, Event, Failed, Scheduler
 
@@ -52,7 +53,6 @@ NEUTRAL = {
 IGNORED_BOOLS = ("timings_per_token", "return_progress", "verbose", "post_sampling_probs")
 IGNORED_INTS = ("id_slot", "n_keep", "n_discard")  # (n_keep, n_discard: context shifting, which specli does not do)
 LARGEST_MS = 2**53  # (a JSON number any client writes exactly)
-STOP_TYPES = protocol.STOP_TYPES
 NOT_SUPPORTED = "not_supported_error"
 FIM_PRESET_CTX = 4096  # the -c of llama-server's FIM presets (--fim-qwen-1.5b-default, ...): /infill's prefix and suffix fit with room
 
@@ -337,42 +337,23 @@ class LlamaRoutes:
         dedupe = req.sampling.greedy and not req.stream
         unique = list(dict.fromkeys(map(tuple, prompts))) if dedupe else [tuple(p) for p in prompts]
         job_of = [unique.index(tuple(p)) for p in prompts] if dedupe else list(range(len(prompts)))
-        submitted = []
-        try:
-            for ids in unique:
-                submitted.append(submit(self.scheduler, self._request(req, list(ids), constraint)))
-        except ApiError:
-            for other in submitted:
-                self.scheduler.cancel(other.job)
-            raise
+        submitted = submit_all(self.scheduler, [self._request(req, list(ids), constraint) for ids in unique])
         t0 = time.perf_counter()
         if req.stream:
             streams = [sub.stream(lambda events, i=i, n=len(ids): self._infill_events(events, req, n, t0, http, index=i))
                        for i, (sub, ids) in enumerate(zip(submitted, prompts))]
             return sse_response(merged(streams))
-        events = []
-        try:
-            for sub in submitted:
-                finished = await sub.finished(http)
-                if finished is None:
-                    return Response(status_code=499)
-                events.append(finished[0])
-        finally:
-            for sub in submitted:
-                self.scheduler.cancel(sub.job)
-        return JSONResponse([self._final_body(req, events[job_of[i]], http, t0, index=i) for i in range(len(prompts))])
+        finished = await finish_all(submitted, http)
+        if finished is None:  # the client left: nobody to answer
+            return Response(status_code=499)
+        return JSONResponse([self._final_body(req, finished[job_of[i]][0], http, t0, index=i) for i in range(len(prompts))])
 
     def _completion_ids(self, content: fim.Mixed) -> list[int]:
         """A prompt's tokens as llama-server makes them: texts with BOS first (where the model
         wants one) and control text parsed, ids as they are."""
         ids = self.model.tokenize_prompt(content) if isinstance(content, str) else fim.tokenize_mixed(
             self.model, content, add_special=self.model.vocab_info().add_bos, parse_special=True)
-        if not ids:
-            raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
-        n_ctx = self.scheduler.n_ctx
-        if len(ids) >= n_ctx:
-            raise protocol.context_exceeded(f"the prompt is {len(ids)} tokens but a request's context holds {n_ctx}; shorten it, or restart the "
-                                            "server with a larger -c", param="prompt", n_prompt_tokens=len(ids), n_ctx=n_ctx)
+        protocol.check_fits(ids, self.scheduler.n_ctx, "prompt")
         return ids
 
     def _request(self, req: InfillRequest, prompt_ids: list[int], constraint=None) -> Request:
@@ -482,8 +463,8 @@ class LlamaRoutes:
         body = {
             "index": 0, "content": content, "tokens": tokens, "id_slot": event.slot, "stop": True, "model": self.settings.model_id,
             "tokens_predicted": len(gen.token_ids), "tokens_evaluated": len(gen.prompt_ids), "generation_settings": settings,
-            "prompt": pieces_text([self._special_piece(t) for t in gen.prompt_ids]), "has_new_line": "\n" in gen.text,
-            "truncated": gen.stop_reason == STOP_CONTEXT_FULL, "stop_type": STOP_TYPES.get(gen.stop_reason, "limit"),
+            "prompt": self.prompt_text(gen.prompt_ids), "has_new_line": "\n" in gen.text,
+            "truncated": gen.stop_reason == STOP_CONTEXT_FULL, "stop_type": protocol.STOP_TYPES.get(gen.stop_reason, "limit"),
             "stopping_word": gen.stop_word, "tokens_cached": len(gen.prompt_ids) + max(0, len(gen.token_ids) - 1),
             "timings": infill_timings(gen.stats), "speculative": spec,
         }

@@ -413,13 +413,10 @@ def logprob_entry(model, entry, text: str, *, with_id: bool = False) -> dict:
     return {**one(entry.token, entry.logprob, text), "top_logprobs": top}
 
 
-def logprob_texts(model, tokens: list[int]) -> list[str]:
-    """The text each token completes, in order (a character split over tokens belongs to the
-    token that ends it)."""
-    from specli.decoding.text import TextStream
-
-    stream = TextStream(model.piece)
-    return [stream.feed([t]) for t in tokens]
+def choice_logprobs(kind: str, entries: list[dict], start: int = 0) -> dict:
+    """A choice's (or a chunk's) `logprobs` of logprob_entry()'s entries: chat's {"content"},
+    completions' completion_logprobs (`start`: the first token's text offset)."""
+    return {"content": entries, "refusal": None} if kind == CHAT else completion_logprobs(entries, start)
 
 
 def completion_logprobs(entries: list[dict], start: int = 0) -> dict:
@@ -500,6 +497,16 @@ def parse_constraint(body: dict) -> Optional[Grammar]:
     return grammar
 
 
+def check_fits(ids: list[int], n_ctx: int, param: str) -> None:
+    """A prompt's tokens against a request's context: the 400 for an empty prompt, and
+    context_exceeded for one that leaves no room to generate."""
+    if not ids:
+        raise ApiError(400, "the prompt is empty; give some text to continue", param="prompt")
+    if len(ids) >= n_ctx:
+        raise context_exceeded(f"the prompt is {len(ids)} tokens but a request's context holds {n_ctx}; shorten it, or restart the server with a larger -c",
+                               param=param, n_prompt_tokens=len(ids), n_ctx=n_ctx)
+
+
 # --- responses ------------------------------------------------------------------------------------
 STOP_TYPES = {STOP_EOS: "eos", STOP_STRING: "word"}  # llama-server's stop_type; every other reason is its "limit"
 
@@ -534,14 +541,14 @@ def timings(stats: Stats) -> dict:
     null would break it."""
     # (no time after the prompt's pass when it made every token: a one-token reply decodes nothing)
     decoded = stats.decided - stats.prompt_pass_decided
-    gen_ms = stats.generation_s * 1000 if decoded > 0 else 0.0
+    gen_ms = round(stats.generation_s * 1000, 3) if decoded > 0 else 0.0
     prompt_n = stats.prompt_tokens - stats.prompt_reused
     return {
         "cache_n": stats.prompt_reused, "prompt_n": prompt_n, "prompt_ms": round(stats.prompt_s * 1000, 3),
         "prompt_per_second": round(prompt_n / stats.prompt_s, 3) if stats.prompt_s > 0 else 0.0,
-        "predicted_n": stats.n_tokens, "predicted_ms": round(gen_ms, 3),
+        "predicted_n": stats.n_tokens, "predicted_ms": gen_ms,
         # (over the shown predicted_ms, so that a client recomputing it gets it to the last digit)
-        "predicted_per_second": decoded * 1000 / round(gen_ms, 3) if decoded > 0 and round(gen_ms, 3) > 0 else 0.0,
+        "predicted_per_second": decoded * 1000 / gen_ms if gen_ms > 0 else 0.0,
         "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
     }
 
